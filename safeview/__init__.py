@@ -1,0 +1,66 @@
+"""safeview: checked byte-level views over shared tensor storage.
+
+A layout spec goes in (``BlockLayout`` or ``StridedLayout``); its exact byte extent is checked
+against the storage, a declared region and the policy in force; an ``as_strided`` view comes out,
+never a copy, never a resized storage; and each decision leaves a structured log event.
+
+The pipeline, one module each: ``spec`` (layouts) -> ``check`` (bounds) -> ``view`` (the torch
+boundary) -> ``log`` (events). Importing safeview does not import torch; the names that need it
+(``make_view``) load it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from safeview.check import Violation
+from safeview.errors import ArgumentError, BoundsError, ConfigError, OverlapError, SafeViewError
+from safeview.log import configure_from_env, configure_logging, reset_logging
+from safeview.policy import Policy, current_policy, policy_scope
+from safeview.spec import BlockLayout, Layout, Region, StridedLayout, packed_layouts
+
+if TYPE_CHECKING:
+    from safeview.view import make_view
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentError",
+    "BlockLayout",
+    "BoundsError",
+    "ConfigError",
+    "Layout",
+    "OverlapError",
+    "Policy",
+    "Region",
+    "SafeViewError",
+    "StridedLayout",
+    "Violation",
+    "__version__",
+    "configure_logging",
+    "current_policy",
+    "make_view",
+    "packed_layouts",
+    "policy_scope",
+    "reset_logging",
+]
+
+_NEEDS_TORCH = {"make_view": "safeview.view"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _NEEDS_TORCH.get(name)
+    if module is None:
+        raise AttributeError(f"module 'safeview' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+configure_from_env()

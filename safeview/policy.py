@@ -1,0 +1,90 @@
+"""What safeview does about a view that breaks its bounds: the policy and where it comes from.
+
+Resolution order: the ``policy=`` argument of a call, then the innermost ``policy_scope``, then the
+environment variable ``SAFEVIEW_BOUNDS_POLICY``, then ``strict``. Scopes live in a ``ContextVar``,
+so each thread and each asyncio task sees its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from contextvars import ContextVar
+from enum import Enum
+
+from safeview.errors import ConfigError
+
+__all__ = ["ENV_POLICY", "Policy", "current_policy", "policy_scope"]
+
+ENV_POLICY = "SAFEVIEW_BOUNDS_POLICY"
+
+
+class Policy(str, Enum):
+    """``STRICT`` raises before torch is called; ``WARN`` logs and lets torch decide; ``OFF`` checks
+    nothing (torch's own behaviour)."""
+
+    STRICT = "strict"
+    WARN = "warn"
+    OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ALLOWED = tuple(p.value for p in Policy)
+_BY_NAME = {p.value: p for p in Policy}
+_scoped: ContextVar[Policy | None] = ContextVar("safeview_policy", default=None)
+# The environment is read once, at the first view, and kept: os.environ costs more than the check.
+_from_env: Policy | None = None
+
+
+def coerce_policy(value: Policy | str, *, source: str = "policy") -> Policy:
+    """A ``Policy`` from a member or its name (case and surrounding blanks ignored)."""
+    if isinstance(value, Policy):
+        return value
+    known = _BY_NAME.get(value)
+    if known is not None:
+        return known
+    if isinstance(value, str):
+        try:
+            return Policy(value.strip().lower())
+        except ValueError:
+            pass
+    raise ConfigError(source, value, _ALLOWED)
+
+
+def _env_policy() -> Policy:
+    global _from_env
+    if _from_env is None:
+        raw = os.environ.get(ENV_POLICY)
+        _from_env = Policy.STRICT if raw is None else coerce_policy(raw, source=ENV_POLICY)
+    return _from_env
+
+
+def current_policy(policy: Policy | str | None = None) -> Policy:
+    """The policy in force here: ``policy`` if given, else the innermost ``policy_scope``, else
+    ``SAFEVIEW_BOUNDS_POLICY``, else ``Policy.STRICT``.
+
+    Raises ``ConfigError`` when the one that decides has a value that is not a policy.
+    """
+    if policy is not None:
+        return policy if isinstance(policy, Policy) else coerce_policy(policy)
+    scoped = _scoped.get()
+    if scoped is not None:
+        return scoped
+    return _from_env if _from_env is not None else _env_policy()
+
+
+@contextlib.contextmanager
+def policy_scope(policy: Policy | str) -> Iterator[Policy]:
+    """Use ``policy`` for every view made inside the ``with`` block (in this thread or task)::
+
+    with safeview.policy_scope("warn"):
+        view = safeview.make_view(kv_cache, layout)
+    """
+    token = _scoped.set(coerce_policy(policy))
+    try:
+        yield _scoped.get() or Policy.STRICT
+    finally:
+        _scoped.reset(token)

@@ -1,0 +1,450 @@
+"""Layout specs: what a view is, validated before anything touches a tensor.
+
+``BlockLayout`` is the KV-cache case, ``num_blocks`` pages of ``page_bytes`` int8 bytes, one every
+``block_stride_bytes``, starting at ``byte_offset``. ``StridedLayout`` is the general typed case.
+Both are frozen pydantic models; a layout that exists is in int64 range and does not overlap itself.
+No torch in here: dtypes are known by name.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    ClassVar,
+    Generic,
+    Literal,
+    SupportsIndex,
+    TypeAlias,
+    TypeVar,
+    get_args,
+    overload,
+)
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
+from typing_extensions import Self
+
+from safeview import _arith
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "BlockLayout",
+    "DTypeName",
+    "Layout",
+    "Region",
+    "StridedLayout",
+    "packed_layouts",
+]
+
+INT64_MAX = _arith.INT64_MAX
+
+# Item sizes of the dtypes a byte view can take, by torch's canonical name.
+DTypeName = Literal[
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+]  # fmt: skip
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4,
+    "uint64": 8, "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}  # fmt: skip
+assert set(DTYPE_ITEMSIZE) == set(get_args(DTypeName))
+
+
+def _index(value: Any) -> int:
+    """An integer scalar of any library (numpy, torch, anything with ``__index__``) as ``int``;
+    ``bool`` in any of its forms, ``float``, ``str`` and the rest are refused."""
+    if isinstance(value, (bool, float, str, bytes)) or value is None:
+        raise ValueError("not an integer")
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and str(dtype) in ("bool", "torch.bool"):
+        raise ValueError("not an integer")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError("not an integer") from None
+
+
+class _Integer:
+    """``Annotated[int, _Integer(ge=...)]``: a plain ``int`` passes at pydantic-core's speed;
+    other integer scalars go through ``operator.index``; then the range is checked."""
+
+    def __init__(self, ge: int) -> None:
+        self.ge = ge
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.chain_schema(
+            [
+                core_schema.union_schema(
+                    [
+                        core_schema.int_schema(strict=True),
+                        core_schema.no_info_plain_validator_function(_index),
+                    ],
+                    mode="left_to_right",
+                    custom_error_type="integer_type",
+                    custom_error_message="Input should be an integer (int, or an integer scalar "
+                    "such as numpy.int64); bool, float and str are refused",
+                ),
+                core_schema.int_schema(strict=True, ge=self.ge, le=INT64_MAX),
+            ]
+        )
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        return {"type": "integer", "minimum": self.ge, "maximum": INT64_MAX}
+
+
+Count = Annotated[int, _Integer(ge=0)]
+Positive = Annotated[int, _Integer(ge=1)]
+
+
+T = TypeVar("T")
+
+
+class _Derived(Generic[T]):
+    """A number derived from a layout's fields, computed once by its validator and kept in the
+    instance's ``__dict__`` (where plain attribute lookup finds it first)."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> _Derived[T]: ...
+    @overload
+    def __get__(self, instance: object, owner: type) -> T: ...
+    def __get__(self, instance: object, owner: type) -> _Derived[T] | T:
+        if instance is None:
+            return self
+        raise AttributeError(f"{self.name} is set when the layout is validated")
+
+
+def _field_error(
+    model: BaseModel, field: str, value: Any, kind: str, message: str
+) -> ValidationError:
+    """A ``ValidationError`` located at ``field``, raised from a validator that sees all fields."""
+    return ValidationError.from_exception_data(
+        type(model).__name__,
+        [InitErrorDetails(type=PydanticCustomError(kind, message), loc=(field,), input=value)],
+    )
+
+
+class Spec(BaseModel):
+    """Base of safeview's models: frozen, no unknown keys, integers strictly, and ``model_copy``
+    validates its changes (pydantic's own does not, and the derived numbers are cached)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        return self.model_validate({**fields, **(update or {})})
+
+
+def _as_tuple(value: Any) -> Any:
+    """Any sequence (list, ``torch.Size``) of shape or strides becomes a tuple."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        return value
+    return tuple(value)
+
+
+def _dtype_name(value: Any) -> Any:
+    """``torch.float16``, ``"torch.float16"`` and ``"float16"`` all name the same dtype."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        value = str(value)
+    if isinstance(value, str):
+        value = value.strip()
+        return value[len("torch.") :] if value.startswith("torch.") else value
+    return value
+
+
+class BlockLayout(Spec):
+    """``num_blocks`` pages of ``page_bytes`` bytes, one every ``block_stride_bytes`` bytes, the
+    first at ``byte_offset`` of the storage: the int8 view ``(num_blocks, page_bytes)`` with strides
+    ``(block_stride_bytes, 1)`` that a KV-cache connector registers per layer.
+
+    >>> layer_1 = BlockLayout(
+    ...     num_blocks=10, page_bytes=16_384, block_stride_bytes=49_152, byte_offset=16_384
+    ... )
+    >>> layer_1.extent_bytes  # 16_384 + 9 * 49_152 + 16_384
+    475136
+
+    Integers only (``int`` and integer scalars such as ``numpy.int64``); pages must not overlap each
+    other (``block_stride_bytes >= page_bytes`` whenever ``num_blocks > 1``); every number and the
+    extent fit in int64.
+    """
+
+    num_blocks: Count
+    page_bytes: Positive
+    block_stride_bytes: Positive
+    byte_offset: Count = 0
+
+    if TYPE_CHECKING:
+        # What the constructor accepts, for type checkers: any integer scalar.
+        def __init__(
+            self,
+            *,
+            num_blocks: SupportsIndex,
+            page_bytes: SupportsIndex,
+            block_stride_bytes: SupportsIndex,
+            byte_offset: SupportsIndex = 0,
+        ) -> None: ...
+
+    @model_validator(mode="after")
+    def _pages_apart_and_in_int64(self) -> BlockLayout:
+        fields = self.__dict__
+        num_blocks, page_bytes = fields["num_blocks"], fields["page_bytes"]
+        block_stride_bytes, byte_offset = fields["block_stride_bytes"], fields["byte_offset"]
+        if num_blocks > 1 and block_stride_bytes < page_bytes:
+            raise _field_error(
+                self,
+                "block_stride_bytes",
+                block_stride_bytes,
+                "pages_overlap",
+                f"block_stride_bytes={block_stride_bytes} is smaller than page_bytes={page_bytes}: "
+                f"each of the {num_blocks} pages would share {page_bytes - block_stride_bytes} "
+                "bytes with the next one (a stride of one kernel block or of one half of a K/V "
+                "split taken as the block stride?)",
+            )
+        shape = (num_blocks, page_bytes)
+        strides = (block_stride_bytes, 1)
+        end = _arith.extent_bytes(byte_offset, shape, strides, 1)
+        if end > INT64_MAX:
+            raise ValueError(
+                f"extent_bytes = byte_offset + (num_blocks - 1) * block_stride_bytes + page_bytes "
+                f"= {end} exceeds the int64 limit {INT64_MAX} by {end - INT64_MAX}"
+            )
+        # Derived numbers are computed once, here; make_view reads them on every call.
+        fields["shape"] = shape
+        fields["strides"] = strides
+        fields["extent_bytes"] = end
+        fields["element_offset"] = byte_offset
+        return self
+
+    # Filled in by the validator; declared here for readers and type checkers.
+    extent_bytes: ClassVar[_Derived[int]] = _Derived(
+        "Exclusive end byte: ``byte_offset + (num_blocks - 1) * block_stride_bytes + "
+        "page_bytes``, or ``byte_offset`` when ``num_blocks == 0``."
+    )
+    shape: ClassVar[_Derived[tuple[int, int]]] = _Derived("``(num_blocks, page_bytes)``")
+    strides: ClassVar[_Derived[tuple[int, int]]] = _Derived(
+        "``(block_stride_bytes, 1)``: strides in elements, which for int8 are bytes"
+    )
+    element_offset: ClassVar[_Derived[int]] = _Derived("``byte_offset`` in elements")
+    dtype: ClassVar[DTypeName] = "int8"
+    itemsize: ClassVar[int] = 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the view holds (``num_blocks * page_bytes``), not counting the gaps."""
+        return self.num_blocks * self.page_bytes
+
+    def to_strided(self) -> StridedLayout:
+        """The same view as a ``StridedLayout``."""
+        return StridedLayout(
+            shape=self.shape, strides=self.strides, byte_offset=self.byte_offset, dtype="int8"
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The layout's numbers as log event fields."""
+        return {
+            "byte_offset": self.byte_offset,
+            "num_blocks": self.num_blocks,
+            "page_bytes": self.page_bytes,
+            "block_stride_bytes": self.block_stride_bytes,
+        }
+
+
+class StridedLayout(Spec):
+    """A typed view: ``shape`` and ``strides`` in elements of ``dtype``, ``byte_offset`` in bytes (a
+    multiple of the item size), counted from byte 0 of the storage.
+
+    >>> layout = StridedLayout(
+    ...     shape=(2, 4, 8), strides=(64, 8, 1), byte_offset=256, dtype="float16"
+    ... )
+    >>> layout.extent_bytes  # 256 + 2 * (64 + 3 * 8 + 7 + 1)
+    448
+
+    Same rules as ``BlockLayout``: integers only, strides not negative, no element touched twice
+    (Rust ndarray's rule), every number and the extent within int64.
+    """
+
+    shape: tuple[Count, ...]
+    strides: tuple[Count, ...]
+    byte_offset: Count = 0
+    dtype: DTypeName = "int8"
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            *,
+            shape: Sequence[SupportsIndex],
+            strides: Sequence[SupportsIndex],
+            byte_offset: SupportsIndex = 0,
+            dtype: str | torch.dtype = "int8",
+        ) -> None: ...
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for field in ("shape", "strides"):
+            if field in data:
+                data[field] = _as_tuple(data[field])
+        if "dtype" in data:
+            data["dtype"] = _dtype_name(data["dtype"])
+        return data
+
+    @field_validator("strides")
+    @classmethod
+    def _one_stride_per_axis(
+        cls, strides: tuple[int, ...], info: ValidationInfo
+    ) -> tuple[int, ...]:
+        shape = info.data.get("shape")
+        if shape is not None and len(strides) != len(shape):
+            raise ValueError(
+                f"strides has {len(strides)} entries but shape {shape} has {len(shape)} axes"
+            )
+        if shape is not None:
+            overlap = _arith.self_overlap(shape, strides)
+            if overlap is not None:
+                raise ValueError(
+                    f"axis {overlap.axis} (size {overlap.size}, stride {overlap.stride}) steps no "
+                    f"further than the {overlap.reach} elements its faster axes already reach: the "
+                    "view would touch some elements twice"
+                )
+        return strides
+
+    @model_validator(mode="after")
+    def _aligned_and_in_int64(self) -> StridedLayout:
+        if self.byte_offset % self.itemsize:
+            raise ValueError(
+                f"byte_offset={self.byte_offset} is not a multiple of the {self.itemsize}-byte "
+                f"item size of {self.dtype}"
+            )
+        for axis, (size, stride) in enumerate(zip(self.shape, self.strides)):
+            if size and stride * self.itemsize > INT64_MAX:
+                raise ValueError(
+                    f"strides[{axis}]={stride} elements of {self.itemsize} bytes exceeds the "
+                    f"int64 limit {INT64_MAX} in bytes"
+                )
+        end = _arith.extent_bytes(self.byte_offset, self.shape, self.strides, self.itemsize)
+        self.__dict__.update(extent_bytes=end, element_offset=self.byte_offset // self.itemsize)
+        if end > INT64_MAX:
+            raise ValueError(
+                f"extent_bytes={end} exceeds the int64 limit {INT64_MAX} by {end - INT64_MAX}"
+            )
+        return self
+
+    extent_bytes: ClassVar[_Derived[int]] = _Derived(
+        "Exclusive end byte; ``byte_offset`` for an empty view."
+    )
+    element_offset: ClassVar[_Derived[int]] = _Derived("``byte_offset`` in elements of ``dtype``")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the view holds, not counting the gaps."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.itemsize
+
+    def describe(self) -> dict[str, Any]:
+        """The layout's numbers as log event fields."""
+        return {
+            "byte_offset": self.byte_offset,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+        }
+
+
+Layout: TypeAlias = BlockLayout | StridedLayout
+
+
+class Region(Spec):
+    """A byte range ``[start_byte, end_byte)`` of a storage that a view must stay inside: the slot
+    of its layer or group. A 2-tuple ``(start, end)`` is accepted wherever a ``Region`` is."""
+
+    start_byte: Count
+    end_byte: Count
+
+    if TYPE_CHECKING:
+
+        def __init__(self, *, start_byte: SupportsIndex, end_byte: SupportsIndex) -> None: ...
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_pair(cls, data: Any) -> Any:
+        if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+            if len(data) != 2:
+                raise ValueError(f"a region is (start_byte, end_byte); got {len(data)} values")
+            data = {"start_byte": data[0], "end_byte": data[1]}
+        return data
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Region:
+        if self.end_byte < self.start_byte:
+            raise ValueError(f"end_byte={self.end_byte} is before start_byte={self.start_byte}")
+        return self
+
+    @classmethod
+    def coerce(cls, value: Region | Sequence[int]) -> Region:
+        return value if isinstance(value, Region) else cls.model_validate(value)
+
+    def as_list(self) -> list[int]:
+        return [self.start_byte, self.end_byte]
+
+
+def packed_layouts(
+    page_bytes: Mapping[str, int], num_blocks: int, *, byte_offset: int = 0
+) -> dict[str, BlockLayout]:
+    """Layouts of a block-major ("packed") group: every block holds one page of each view, back to
+    back, in the mapping's order, so the block stride is the sum of the pages.
+
+    >>> views = packed_layouts({"k": 4, "v": 4}, num_blocks=3)
+    >>> views["v"].byte_offset, views["v"].block_stride_bytes
+    (4, 8)
+    """
+    block_stride_bytes = sum(page_bytes.values())
+    layouts = {}
+    offset = byte_offset
+    for name, page in page_bytes.items():
+        layouts[name] = BlockLayout(
+            num_blocks=num_blocks,
+            page_bytes=page,
+            block_stride_bytes=block_stride_bytes,
+            byte_offset=offset,
+        )
+        offset += page
+    return layouts

@@ -1,0 +1,203 @@
+"""The torch boundary: a checked layout becomes an ``as_strided`` view of the target's storage.
+
+This is the only module of the core that imports torch. It never calls the four-argument
+``Tensor.set_`` (which reallocates a resizable storage that is too small), never copies and never
+resizes: the storage's ``data_ptr()`` and ``nbytes()`` are the same after every call as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from safeview import log
+from safeview.check import Violation, bounds_violations
+from safeview.errors import ArgumentError, BoundsError
+from safeview.policy import Policy, current_policy
+from safeview.spec import BlockLayout, Layout, Region, StridedLayout
+
+__all__ = ["make_view", "storage_of"]
+
+_DTYPES: dict[str, torch.dtype] = {}
+_logger = log.stdlib_logger
+_STRIDED = torch.strided
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = _DTYPES[name] = getattr(torch, name)
+    return dtype
+
+
+def storage_of(target: torch.Tensor | torch.UntypedStorage) -> torch.UntypedStorage:
+    """The untyped storage a target's offsets count from; ``ArgumentError`` for anything else."""
+    if isinstance(target, torch.Tensor):
+        if target.layout is not torch.strided:
+            raise ArgumentError(
+                f"target must be a strided tensor; got a tensor with layout {target.layout}"
+            )
+        return target.untyped_storage()
+    if isinstance(target, torch.UntypedStorage):
+        return target
+    hint = " (pass its .untyped())" if isinstance(target, torch.TypedStorage) else ""
+    raise ArgumentError(
+        "target must be a torch.Tensor or a torch.UntypedStorage; "
+        f"got {type(target).__name__}{hint}"
+    )
+
+
+def _event_fields(
+    name: str | None,
+    policy: Policy,
+    layout: Layout,
+    storage: torch.UntypedStorage,
+    region: Region | None,
+) -> dict[str, Any]:
+    nbytes = storage.nbytes()
+    limit = nbytes if region is None else min(nbytes, region.end_byte)
+    fields: dict[str, Any] = {
+        "name": name,
+        "policy": policy.value,
+        "device": str(storage.device),
+        "storage_nbytes": nbytes,
+        **layout.describe(),
+        "extent_bytes": layout.extent_bytes,
+        "limit_bytes": limit,
+        "slack_bytes": limit - layout.extent_bytes,
+    }
+    if region is not None:
+        fields["region"] = region.as_list()
+    return fields
+
+
+def _report(
+    violations: Sequence[Violation],
+    *,
+    level: int,
+    name: str | None,
+    policy: Policy,
+    layout: Layout,
+    storage: torch.UntypedStorage,
+    region: Region | None,
+) -> None:
+    if not log.enabled(level):
+        return
+    for violation in violations:
+        fields = _event_fields(name, policy, layout, storage, region)
+        fields.update(violation.fields())
+        log.emit(level, "bounds_violation", fields)
+
+
+def make_view(
+    target: torch.Tensor | torch.UntypedStorage,
+    layout: Layout,
+    *,
+    name: str | None = None,
+    policy: Policy | str | None = None,
+    region: Region | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """A view of ``target``'s storage with ``layout``'s dtype, shape, strides and offset, checked
+    first under the policy in force.
+
+    Offsets count from byte 0 of the untyped storage, whatever tensor of it you pass (vLLM's
+    ``byte_offset = t.storage_offset() * t.element_size()``). ``region=(start, end)`` is the byte
+    range this view must stay inside.
+
+    >>> kv = torch.zeros(4 * 1024, dtype=torch.int8)
+    >>> layer = BlockLayout(num_blocks=4, page_bytes=512, block_stride_bytes=1024, byte_offset=512)
+    >>> make_view(kv, layer, name="layer.1").stride()
+    (1024, 1)
+
+    Raises ``BoundsError`` when a bound is broken under ``strict`` (before torch is called), and
+    under ``warn`` when torch then refuses the view too; ``ConfigError`` for an unknown policy;
+    ``ArgumentError`` for a target or layout of the wrong kind.
+    """
+    active = policy if type(policy) is Policy else current_policy(policy)
+    if not isinstance(layout, (BlockLayout, StridedLayout)):
+        raise ArgumentError(
+            f"layout must be a safeview BlockLayout or StridedLayout; got {type(layout).__name__}"
+        )
+    tensor = target if isinstance(target, torch.Tensor) else None
+    storage = (
+        tensor.untyped_storage()
+        if tensor is not None and tensor.layout is _STRIDED
+        else storage_of(target)
+    )
+    if region is not None:
+        region = Region.coerce(region)
+
+    extent = layout.extent_bytes
+    if active is not Policy.OFF and (region is not None or extent > storage.nbytes()):
+        violations = bounds_violations(
+            name=name,
+            byte_offset=layout.byte_offset,
+            extent_bytes=extent,
+            storage_nbytes=storage.nbytes(),
+            region=region,
+        )
+        if violations:
+            _check_failed(violations, active, name, layout, storage, region)
+
+    dtype = _DTYPES.get(layout.dtype) or _torch_dtype(layout.dtype)
+    if tensor is not None and tensor.dtype is dtype:
+        base = tensor
+    else:
+        # The one-argument set_ views the whole storage as it is; it never resizes.
+        base = torch.empty(0, dtype=dtype, device=storage.device).set_(storage)
+    try:
+        view = torch.as_strided(base, layout.shape, layout.strides, layout.element_offset)
+    except RuntimeError as error:
+        if active is Policy.OFF or extent <= storage.nbytes():
+            raise
+        violation = bounds_violations(
+            name=name,
+            byte_offset=layout.byte_offset,
+            extent_bytes=extent,
+            storage_nbytes=storage.nbytes(),
+        )[0]
+        raise BoundsError(
+            violation,
+            layout=layout,
+            storage_nbytes=storage.nbytes(),
+            device=str(storage.device),
+            policy=active.value,
+        ) from error
+
+    if _logger.isEnabledFor(logging.DEBUG):
+        log.emit(
+            logging.DEBUG, "view_created", _event_fields(name, active, layout, storage, region)
+        )
+    return view
+
+
+def _check_failed(
+    violations: Sequence[Violation],
+    active: Policy,
+    name: str | None,
+    layout: Layout,
+    storage: torch.UntypedStorage,
+    region: Region | None,
+) -> None:
+    """Log the broken bounds; under strict, raise for the first."""
+    strict = active is Policy.STRICT
+    _report(
+        violations,
+        level=logging.ERROR if strict else logging.WARNING,
+        name=name,
+        policy=active,
+        layout=layout,
+        storage=storage,
+        region=region,
+    )
+    if strict:
+        raise BoundsError(
+            violations[0],
+            layout=layout,
+            storage_nbytes=storage.nbytes(),
+            device=str(storage.device),
+            policy=active.value,
+        )

@@ -1,0 +1,176 @@
+"""Structured events: their keys (the README's table), JSON lines, and no global configuration."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import torch
+
+from safeview import BlockLayout, BoundsError, StridedLayout, configure_logging, make_view
+from safeview.log import ENV_LOG_FORMAT
+
+COMMON = {
+    "event", "level", "timestamp", "logger", "name", "policy", "device", "storage_nbytes",
+    "byte_offset", "extent_bytes", "limit_bytes", "slack_bytes",
+}  # fmt: skip
+BLOCK = {"num_blocks", "page_bytes", "block_stride_bytes"}
+STRIDED = {"dtype", "shape", "strides"}
+VIOLATION = {"check", "overflow_bytes", "message"}
+
+LAYOUT = BlockLayout(num_blocks=3, page_bytes=16, block_stride_bytes=32, byte_offset=8)
+
+
+def _lines(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_view_created_is_one_json_line_with_the_documented_keys() -> None:
+    out = io.StringIO()
+    configure_logging("json", level="DEBUG", stream=out)
+    kv = torch.zeros(128, dtype=torch.int8)
+    make_view(kv, LAYOUT, name="layer.0")
+    [event] = _lines(out)
+    assert set(event) == COMMON | BLOCK
+    assert event["event"] == "view_created"
+    assert event["level"] == "debug"
+    assert event["name"] == "layer.0"
+    assert event["policy"] == "strict"
+    assert event["device"] == "cpu"
+    assert event["storage_nbytes"] == 128
+    assert event["extent_bytes"] == LAYOUT.extent_bytes == 88
+    assert event["limit_bytes"] == 128
+    assert event["slack_bytes"] == 40
+    stamp = datetime.fromisoformat(event["timestamp"])
+    assert stamp.utcoffset() == timedelta(0)
+    assert abs(datetime.now(timezone.utc) - stamp) < timedelta(minutes=5)
+
+
+def test_strided_view_event_carries_shape_and_strides() -> None:
+    out = io.StringIO()
+    configure_logging("json", level="DEBUG", stream=out)
+    layout = StridedLayout(shape=(2, 3), strides=(4, 1), byte_offset=4, dtype="float16")
+    make_view(torch.zeros(64, dtype=torch.int8), layout, region=(0, 32))
+    [event] = _lines(out)
+    assert set(event) == COMMON | STRIDED | {"region"}
+    assert event["shape"] == [2, 3]
+    assert event["strides"] == [4, 1]
+    assert event["dtype"] == "float16"
+    assert event["region"] == [0, 32]
+    assert event["limit_bytes"] == 32
+
+
+def test_bounds_violation_event_has_check_and_overflow() -> None:
+    out = io.StringIO()
+    configure_logging("json", level="INFO", stream=out)
+    with pytest.raises(BoundsError):
+        make_view(torch.zeros(64, dtype=torch.int8), LAYOUT, name="layer.9", region=(0, 64))
+    events = _lines(out)
+    assert [e["check"] for e in events] == ["storage", "region"]
+    for event in events:
+        assert set(event) == COMMON | BLOCK | VIOLATION | {"region"}
+        assert event["event"] == "bounds_violation"
+        assert event["level"] == "error"
+        assert event["overflow_bytes"] == 24
+        assert event["slack_bytes"] == -24
+    assert "view 'layer.9' needs bytes [8, 88) but the storage has 64 bytes" in events[0]["message"]
+
+
+def test_level_filters_view_created() -> None:
+    out = io.StringIO()
+    configure_logging("json", level="INFO", stream=out)
+    make_view(torch.zeros(128, dtype=torch.int8), LAYOUT)
+    assert out.getvalue() == ""
+
+
+def test_console_format_is_one_readable_line() -> None:
+    out = io.StringIO()
+    configure_logging("console", level="DEBUG", stream=out)
+    make_view(torch.zeros(128, dtype=torch.int8), LAYOUT, name="layer.0")
+    [line] = out.getvalue().splitlines()
+    assert "view_created" in line
+    assert "extent_bytes=88" in line
+    assert "name=layer.0" in line
+
+
+def test_configure_logging_twice_keeps_one_handler() -> None:
+    first, second = io.StringIO(), io.StringIO()
+    configure_logging("json", level="DEBUG", stream=first)
+    configure_logging("json", level="DEBUG", stream=second)
+    assert len(logging.getLogger("safeview").handlers) == 1
+    make_view(torch.zeros(128, dtype=torch.int8), LAYOUT)
+    assert first.getvalue() == ""
+    assert len(_lines(second)) == 1
+
+
+def test_plain_stdlib_handlers_get_a_readable_message_and_the_fields(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="safeview"):
+        make_view(torch.zeros(128, dtype=torch.int8), LAYOUT, name="layer.0")
+    [record] = caplog.records
+    assert record.name == "safeview"
+    assert record.getMessage().startswith("event='view_created' name='layer.0'")
+    assert record.safeview_event["extent_bytes"] == 88  # type: ignore[attr-defined]
+
+
+def test_invalid_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="format='xml' is not a valid value"):
+        configure_logging("xml", stream=io.StringIO())  # type: ignore[arg-type]
+
+
+def _python(code: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
+    env.update(env_vars)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_import_configures_nothing_global() -> None:
+    result = _python(
+        "import logging, structlog, safeview\n"
+        "print(logging.getLogger().handlers, logging.getLogger('safeview').handlers,"
+        " structlog.is_configured(), 'torch' in __import__('sys').modules)"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]", "[]", "False", "False"]
+
+
+_VIOLATE = """
+import torch, safeview
+meta = torch.empty(64, dtype=torch.int8, device="meta")
+layout = safeview.BlockLayout(num_blocks=5, page_bytes=16, block_stride_bytes=16)
+safeview.make_view(meta, layout, name="l0", policy="warn")
+"""
+
+
+def test_log_format_environment_variable_writes_json_lines_to_stderr() -> None:
+    result = _python(_VIOLATE, **{ENV_LOG_FORMAT: "json"})
+    assert result.returncode == 0, result.stderr
+    [event] = [json.loads(line) for line in result.stderr.splitlines()]
+    assert event["event"] == "bounds_violation"
+    assert event["level"] == "warning"
+    assert event["overflow_bytes"] == 16
+
+
+def test_log_level_environment_variable_shows_view_created() -> None:
+    result = _python(_VIOLATE, SAFEVIEW_LOG_FORMAT="JSON", SAFEVIEW_LOG_LEVEL="debug")
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line)["event"] for line in result.stderr.splitlines()]
+    assert events == ["bounds_violation", "view_created"]
+
+
+def test_invalid_log_format_variable_is_a_config_error() -> None:
+    result = _python("import safeview", SAFEVIEW_LOG_FORMAT="yaml")
+    assert result.returncode == 1
+    assert "SAFEVIEW_LOG_FORMAT='yaml' is not a valid value; allowed values: json, console" in (
+        result.stderr
+    )

@@ -1,0 +1,238 @@
+"""find_overlaps: exact, against numpy.shares_memory, with witnesses, groups and big layouts."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from safeview import ArgumentError, BlockLayout, Layout, StridedLayout, packed_layouts
+from safeview.overlap import find_overlaps
+
+NUMPY_DTYPES = {"int8": np.int8, "float16": np.float16, "float32": np.float32}
+
+
+def _touched(layout: Layout, nbytes: int) -> np.ndarray:
+    """A boolean mask of the bytes ``layout`` touches, made by numpy from its own strides."""
+    buffer = bytearray(nbytes)
+    shape = (*layout.shape, layout.itemsize)
+    strides = (*(s * layout.itemsize for s in layout.strides), 1)
+    if 0 not in shape:
+        view = np.ndarray(
+            shape, np.uint8, buffer=buffer, offset=layout.byte_offset, strides=strides
+        )
+        view[...] = 1
+    mask: np.ndarray = np.frombuffer(buffer, np.uint8).astype(bool)
+    return mask
+
+
+def _numpy_view(layout: Layout, buffer: bytearray) -> np.ndarray:
+    view: np.ndarray = np.ndarray(
+        layout.shape,
+        NUMPY_DTYPES[layout.dtype],
+        buffer=buffer,
+        offset=layout.byte_offset,
+        strides=[s * layout.itemsize for s in layout.strides],
+    )
+    return view
+
+
+def _random_block(rng: random.Random, kind: str) -> Layout:
+    page = rng.randint(1, 24)
+    num_blocks = rng.randint(0, 7)
+    if kind == "packed":
+        stride = 64
+    elif kind == "contiguous":
+        stride = page
+    else:
+        stride = rng.randint(page, page + 40)
+    return BlockLayout(
+        num_blocks=num_blocks,
+        page_bytes=page,
+        block_stride_bytes=stride if num_blocks > 1 else rng.randint(1, 80),
+        byte_offset=rng.randint(0, 200),
+    )
+
+
+def _random_kv_split(rng: random.Random) -> Layout:
+    page = rng.randint(1, 16)
+    block_stride = rng.randint(page, 3 * page + 8)
+    num_blocks = rng.randint(1, 6)
+    kv_stride = rng.randint(block_stride * num_blocks, block_stride * num_blocks + 40)
+    return StridedLayout(
+        shape=(2, num_blocks, page),
+        strides=(kv_stride, block_stride, 1),
+        byte_offset=rng.randint(0, 100),
+    )
+
+
+def _random_typed(rng: random.Random) -> Layout:
+    dtype = rng.choice(["float16", "float32"])
+    itemsize = 2 if dtype == "float16" else 4
+    inner = rng.randint(1, 6)
+    outer = rng.randint(1, 5)
+    return StridedLayout(
+        shape=(outer, inner),
+        strides=(rng.randint(inner, inner + 9), 1),
+        byte_offset=itemsize * rng.randint(0, 40),
+        dtype=dtype,
+    )
+
+
+def _random_layout(rng: random.Random) -> Layout:
+    kind = rng.choice(["packed", "packed", "contiguous", "gapped", "kv", "typed"])
+    if kind == "kv":
+        return _random_kv_split(rng)
+    if kind == "typed":
+        return _random_typed(rng)
+    return _random_block(rng, kind)
+
+
+def test_agrees_with_numpy_shares_memory_on_ten_thousand_random_pairs() -> None:
+    rng = random.Random(20261202)
+    kinds_seen = {"overlap": 0, "disjoint_but_spans_meet": 0, "disjoint": 0}
+    for _ in range(10_000):
+        first, second = _random_layout(rng), _random_layout(rng)
+        nbytes = max(first.extent_bytes, second.extent_bytes, 1)
+        buffer = bytearray(nbytes)
+        expected = bool(
+            np.shares_memory(_numpy_view(first, buffer), _numpy_view(second, buffer), max_work=-1)
+        )
+        found = find_overlaps({"a": first, "b": second})
+        assert bool(found) == expected, (first, second)
+        if found:
+            [overlap] = found
+            assert (overlap.first, overlap.second) == ("a", "b")
+            assert _touched(first, nbytes)[overlap.byte]
+            assert _touched(second, nbytes)[overlap.byte]
+            kinds_seen["overlap"] += 1
+        elif max(first.byte_offset, second.byte_offset) < min(
+            first.extent_bytes, second.extent_bytes
+        ):
+            kinds_seen["disjoint_but_spans_meet"] += 1
+        else:
+            kinds_seen["disjoint"] += 1
+    # the random mix really exercises all three answers
+    assert min(kinds_seen.values()) > 500, kinds_seen
+
+
+def test_witness_is_the_lowest_shared_byte_of_a_block_pair() -> None:
+    first = BlockLayout(num_blocks=4, page_bytes=8, block_stride_bytes=16, byte_offset=0)
+    second = BlockLayout(num_blocks=4, page_bytes=8, block_stride_bytes=16, byte_offset=4)
+    [overlap] = find_overlaps({"k": first, "v": second})
+    assert overlap.byte == 4
+
+
+def test_interleaved_packed_pages_do_not_overlap_although_their_spans_do() -> None:
+    layouts = packed_layouts({f"layer.{i}": 16 + i for i in range(6)}, num_blocks=50)
+    spans = [(layout.byte_offset, layout.extent_bytes) for layout in layouts.values()]
+    assert all(a0 < b1 and b0 < a1 for a0, a1 in spans for b0, b1 in spans)
+    assert find_overlaps(layouts) == []
+
+
+def test_a_layer_that_counts_its_blocks_twice_runs_into_the_next_one() -> None:
+    # vLLM's unit-test layout: 3 layers of 10 contiguous 16 KiB blocks, layer l at l * 163,840.
+    page = 16_384
+    layers = {
+        f"layer.{i}": BlockLayout(
+            num_blocks=10, page_bytes=page, block_stride_bytes=page, byte_offset=i * 163_840
+        )
+        for i in range(3)
+    }
+    assert find_overlaps(layers) == []
+    broken = dict(layers)
+    broken["layer.1"] = layers["layer.1"].model_copy(update={"num_blocks": 20})
+    [overlap] = find_overlaps(broken)
+    assert (overlap.first, overlap.second, overlap.byte) == ("layer.1", "layer.2", 2 * 163_840)
+
+
+def test_kv_halves_of_packed_layers_overlap_only_when_misplaced() -> None:
+    page, num_blocks = 64, 8
+    block_stride = 4 * page  # two layers, K and V each
+    split = {
+        f"layer.{i}": StridedLayout(
+            shape=(2, num_blocks, page),
+            strides=(page, block_stride, 1),
+            byte_offset=i * 2 * page,
+        )
+        for i in range(2)
+    }
+    assert find_overlaps(split) == []
+    shifted = dict(split)
+    shifted["layer.1"] = split["layer.1"].model_copy(update={"byte_offset": page})
+    [overlap] = find_overlaps(shifted)
+    assert overlap.byte == page  # layer.1's K page sits on layer.0's V page
+
+
+def test_every_overlapping_pair_is_reported_in_input_order() -> None:
+    pages = {f"v{i}": 32 for i in range(5)}
+    layouts = packed_layouts(pages, num_blocks=10)
+    # v3 moves onto v1's page, v4 straddles v1 and v2
+    layouts["v3"] = layouts["v1"].model_copy()
+    layouts["v4"] = layouts["v1"].model_copy(update={"byte_offset": 48})
+    pairs = [(o.first, o.second) for o in find_overlaps(layouts)]
+    assert pairs == [("v1", "v3"), ("v1", "v4"), ("v2", "v4"), ("v3", "v4")]
+
+
+def test_groups_allow_sharing_across_groups_only() -> None:
+    attention = BlockLayout(num_blocks=8, page_bytes=64, block_stride_bytes=64)
+    mamba = BlockLayout(num_blocks=8, page_bytes=64, block_stride_bytes=64)
+    other_attention = BlockLayout(num_blocks=1, page_bytes=8, block_stride_bytes=8, byte_offset=8)
+    layouts = {"attn.0": attention, "mamba.0": mamba, "attn.1": other_attention}
+    assert len(find_overlaps(layouts)) == 3
+    groups = {"attn.0": 0, "mamba.0": 1, "attn.1": 0}
+    [overlap] = find_overlaps(layouts, groups=groups)
+    assert (overlap.first, overlap.second, overlap.group) == ("attn.0", "attn.1", 0)
+    assert overlap.byte == 8
+    assert "group 0" in overlap.message()
+
+
+def test_groups_must_name_every_view() -> None:
+    layouts = packed_layouts({"a": 4, "b": 4}, num_blocks=2)
+    with pytest.raises(ArgumentError, match="groups names no group for view"):
+        find_overlaps(layouts, groups={"a": 0})
+
+
+def test_empty_views_share_nothing() -> None:
+    empty = BlockLayout(num_blocks=0, page_bytes=64, block_stride_bytes=64)
+    full = BlockLayout(num_blocks=4, page_bytes=64, block_stride_bytes=64)
+    assert find_overlaps({"empty": empty, "full": full}) == []
+
+
+def test_result_is_deterministic() -> None:
+    rng = random.Random(7)
+    layouts = {f"v{i}": _random_layout(rng) for i in range(60)}
+    first = find_overlaps(layouts)
+    assert first == find_overlaps(dict(layouts))
+    assert len(first) > 0
+
+
+def test_many_views_of_one_stride_match_pairwise_checks() -> None:
+    # 300 views of one stride with a few deliberate collisions; the sweep must find exactly the
+    # pairs that the pairwise exact check finds.
+    rng = random.Random(11)
+    stride = 4096
+    layouts: dict[str, Layout] = {}
+    offset = 0
+    for i in range(300):
+        page = rng.randint(1, 12)
+        if rng.random() < 0.03:
+            offset = max(0, offset - rng.randint(1, 20))
+        layouts[f"v{i}"] = BlockLayout(
+            num_blocks=rng.randint(2, 5),
+            page_bytes=page,
+            block_stride_bytes=stride,
+            byte_offset=offset + stride * rng.randint(0, 2),
+        )
+        offset += page
+    found = {(o.first, o.second) for o in find_overlaps(layouts)}
+    names = list(layouts)
+    pairwise = {
+        (names[i], names[j])
+        for i in range(len(names))
+        for j in range(i + 1, len(names))
+        if find_overlaps({names[i]: layouts[names[i]], names[j]: layouts[names[j]]})
+    }
+    assert found == pairwise
+    assert len(found) > 3

@@ -1,0 +1,155 @@
+"""Where the policy comes from: argument, scope, environment, default; across threads and tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from safeview import BlockLayout, ConfigError, Policy, current_policy, make_view, policy_scope
+from safeview.policy import ENV_POLICY
+
+PAST_END = BlockLayout(num_blocks=5, page_bytes=16, block_stride_bytes=16)
+
+
+def test_default_is_strict() -> None:
+    assert current_policy() is Policy.STRICT
+
+
+def test_argument_beats_scope() -> None:
+    with policy_scope("off"):
+        assert current_policy("warn") is Policy.WARN
+        assert current_policy() is Policy.OFF
+
+
+def test_nested_scopes_restore_the_outer_one() -> None:
+    with policy_scope(Policy.WARN) as outer:
+        assert outer is Policy.WARN
+        with policy_scope("off"):
+            assert current_policy() is Policy.OFF
+            with policy_scope(" STRICT "):
+                assert current_policy() is Policy.STRICT
+            assert current_policy() is Policy.OFF
+        assert current_policy() is Policy.WARN
+    assert current_policy() is Policy.STRICT
+
+
+def test_scope_is_restored_when_the_block_raises() -> None:
+    with pytest.raises(KeyError), policy_scope("off"):
+        raise KeyError("boom")
+    assert current_policy() is Policy.STRICT
+
+
+def test_scope_refuses_an_unknown_policy_naming_the_allowed_ones() -> None:
+    with pytest.raises(ConfigError) as caught, policy_scope("lax"):
+        pass
+    assert caught.value.value == "lax"
+    assert caught.value.allowed == ("strict", "warn", "off")
+    assert "allowed values: strict, warn, off" in str(caught.value)
+
+
+def test_scope_changes_what_make_view_does() -> None:
+    meta = torch.empty(64, dtype=torch.int8, device="meta")
+    with policy_scope("warn"):
+        assert make_view(meta, PAST_END).shape == (5, 16)
+
+
+def test_eight_threads_with_different_scopes_do_not_leak() -> None:
+    policies = [Policy.STRICT, Policy.WARN, Policy.OFF, Policy.WARN] * 2
+    barrier = threading.Barrier(len(policies))
+    seen: dict[int, set[Policy]] = {i: set() for i in range(len(policies))}
+    results: dict[int, str] = {}
+    meta = torch.empty(64, dtype=torch.int8, device="meta")
+
+    def worker(index: int, policy: Policy) -> None:
+        with policy_scope(policy):
+            barrier.wait()
+            for _ in range(200):
+                seen[index].add(current_policy())
+            try:
+                make_view(meta, PAST_END)
+                results[index] = "view"
+            except Exception as error:
+                results[index] = type(error).__name__
+            barrier.wait()
+        seen[index].add(current_policy())
+
+    threads = [threading.Thread(target=worker, args=(i, p)) for i, p in enumerate(policies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, policy in enumerate(policies):
+        assert seen[index] == {policy, Policy.STRICT}
+        assert results[index] == ("BoundsError" if policy is Policy.STRICT else "view")
+    assert current_policy() is Policy.STRICT
+
+
+def test_many_asyncio_tasks_with_different_scopes_do_not_leak() -> None:
+    async def task(policy: Policy) -> set[Policy]:
+        seen = set()
+        with policy_scope(policy):
+            for _ in range(20):
+                await asyncio.sleep(0)
+                seen.add(current_policy())
+        return seen
+
+    async def main() -> list[set[Policy]]:
+        policies = [list(Policy)[i % 3] for i in range(300)]
+        results = await asyncio.gather(*(task(p) for p in policies))
+        assert all(seen == {p} for seen, p in zip(results, policies))
+        return results
+
+    assert len(asyncio.run(main())) == 300
+    assert current_policy() is Policy.STRICT
+
+
+_PROBE = """
+import torch, safeview
+meta = torch.empty(64, dtype=torch.int8, device="meta")
+print(safeview.current_policy().value)
+layout = safeview.BlockLayout(num_blocks=5, page_bytes=16, block_stride_bytes=16)
+try:
+    safeview.make_view(meta, layout)
+    print("view")
+except safeview.BoundsError:
+    print("refused")
+"""
+
+
+def _run_probe(value: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
+    if value is not None:
+        env[ENV_POLICY] = value
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, "strict refused"),
+        ("warn", "warn view"),
+        ("  Off\n", "off view"),
+        ("STRICT", "strict refused"),
+    ],
+)
+def test_environment_variable_sets_the_default(value: str | None, expected: str) -> None:
+    result = _run_probe(value)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == expected.split()
+
+
+def test_invalid_environment_variable_is_a_config_error_naming_it() -> None:
+    result = _run_probe("lenient")
+    assert result.returncode == 1
+    assert (
+        "safeview.errors.ConfigError: SAFEVIEW_BOUNDS_POLICY='lenient' is not a valid value; "
+        "allowed values: strict, warn, off" in result.stderr
+    )
