@@ -16,10 +16,14 @@ from typing import TYPE_CHECKING, Any
 from safeview.check import Violation
 from safeview.errors import ArgumentError, BoundsError, ConfigError, OverlapError, SafeViewError
 from safeview.log import configure_from_env, configure_logging, reset_logging
+from safeview.overlap import Overlap, find_overlaps
+from safeview.plan import Plan, PlanStorage, PlanView
 from safeview.policy import Policy, current_policy, policy_scope
+from safeview.report import Finding, Report
 from safeview.spec import BlockLayout, Layout, Region, StridedLayout, packed_layouts
 
 if TYPE_CHECKING:
+    from safeview import kv
     from safeview.view import make_view
 
 __version__ = "0.1.0"
@@ -29,32 +33,42 @@ __all__ = [
     "BlockLayout",
     "BoundsError",
     "ConfigError",
+    "Finding",
     "Layout",
+    "Overlap",
     "OverlapError",
+    "Plan",
+    "PlanStorage",
+    "PlanView",
     "Policy",
     "Region",
+    "Report",
     "SafeViewError",
     "StridedLayout",
     "Violation",
     "__version__",
     "configure_logging",
     "current_policy",
+    "find_overlaps",
+    "kv",
     "make_view",
     "packed_layouts",
     "policy_scope",
     "reset_logging",
 ]
 
-_NEEDS_TORCH = {"make_view": "safeview.view"}
+# Names whose modules import torch, loaded on first use so that the command line stays light.
+_NEEDS_TORCH = {"make_view": "safeview.view", "kv": "safeview.kv"}
 
 
 def __getattr__(name: str) -> Any:
-    module = _NEEDS_TORCH.get(name)
-    if module is None:
+    module_name = _NEEDS_TORCH.get(name)
+    if module_name is None:
         raise AttributeError(f"module 'safeview' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    module = importlib.import_module(module_name)
+    value = module if module_name.endswith("." + name) else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -40,18 +40,21 @@ class Violation:
     def slack_bytes(self) -> int:
         return self.limit_bytes - self.extent_bytes
 
-    def message(self) -> str:
-        """The violation in one sentence, with every number."""
+    def message(self, storage: str | None = None) -> str:
+        """The violation in one sentence, with every number; ``storage`` names the storage."""
         empty = self.extent_bytes == self.byte_offset
+        the_storage = "the storage" if storage is None else f"storage {storage!r}"
         if self.check == "storage":
             if empty:
                 return (
-                    f"empty {_view(self.name)} starts at byte {self.byte_offset} but the storage "
-                    f"has {self.limit_bytes} bytes ({self.overflow_bytes} bytes past the end)"
+                    f"empty {_view(self.name)} starts at byte {self.byte_offset} but "
+                    f"{the_storage} has {self.limit_bytes} bytes "
+                    f"({self.overflow_bytes} bytes past the end)"
                 )
             return (
-                f"{_view(self.name)} needs bytes [{self.byte_offset}, {self.extent_bytes}) but the "
-                f"storage has {self.limit_bytes} bytes ({self.overflow_bytes} bytes past the end)"
+                f"{_view(self.name)} needs bytes [{self.byte_offset}, {self.extent_bytes}) but "
+                f"{the_storage} has {self.limit_bytes} bytes "
+                f"({self.overflow_bytes} bytes past the end)"
             )
         assert self.region is not None
         start, end = self.region.start_byte, self.region.end_byte

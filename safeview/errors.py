@@ -64,7 +64,7 @@ class BoundsError(SafeViewError):
         self,
         violation: Violation,
         *,
-        layout: Layout,
+        layout: Layout | None,
         storage_nbytes: int,
         device: str,
         policy: str,
@@ -85,17 +85,27 @@ class BoundsError(SafeViewError):
 
 
 class OverlapError(SafeViewError):
-    """Views that must not share bytes do. ``overlaps`` lists every offending pair, each with a byte
-    both views touch."""
+    """Views that must not share bytes do: two views of one group, or the pages of one view.
+    ``overlaps`` lists every offending pair, each with a byte both touch (a view whose own pages
+    overlap appears as a pair of itself); ``messages`` says each in words."""
 
-    def __init__(self, overlaps: Sequence[Overlap], *, storage: str | None = None) -> None:
+    def __init__(
+        self,
+        overlaps: Sequence[Overlap],
+        *,
+        messages: Sequence[str] | None = None,
+        policy: str | None = None,
+    ) -> None:
         self.overlaps = tuple(overlaps)
-        self.storage = storage
-        where = f" of storage {storage!r}" if storage is not None else ""
-        lines = [o.message() for o in self.overlaps[:10]]
-        more = len(self.overlaps) - len(lines)
-        if more > 0:
-            lines.append(f"... and {more} more")
+        self.messages = (
+            tuple(messages) if messages is not None else tuple(o.message() for o in self.overlaps)
+        )
+        self.policy = policy
+        shown = list(self.messages[:10])
+        if len(self.messages) > len(shown):
+            shown.append(f"... and {len(self.messages) - len(shown)} more")
+        where = f" [policy {policy}]" if policy is not None else ""
         super().__init__(
-            f"{len(self.overlaps)} pair(s) of views{where} share bytes:\n  " + "\n  ".join(lines)
+            f"{len(self.overlaps)} overlap(s) between views that must not share bytes{where}:\n  "
+            + "\n  ".join(shown)
         )

@@ -13,17 +13,20 @@ splits every view into runs of equally spaced blocks and answers exactly:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import heapq
+import threading
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from safeview import _arith
 from safeview._arith import Blocks
 from safeview.errors import ArgumentError
-from safeview.spec import Layout
+from safeview.spec import BlockLayout, Layout
 
-__all__ = ["Overlap", "find_overlaps", "pieces_of"]
+__all__ = ["Overlap", "find_overlaps", "overlaps_among", "pieces_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,17 +45,52 @@ class Overlap:
 
 
 def pieces_of(layout: Layout) -> list[Blocks]:
-    """The bytes a layout touches, as runs of equally spaced blocks; contiguous runs have
-    ``number == 1``."""
-    raw = _arith.blocks(layout.byte_offset, layout.shape, layout.strides, layout.itemsize)
-    pieces = []
-    for piece in raw:
-        if piece.number == 1 or piece.stride == piece.run:
-            run = piece.run * piece.number
-            pieces.append(Blocks(piece.offset, 1, run, run))
-        else:
-            pieces.append(piece)
-    return pieces
+    """The bytes a layout touches, as runs of equally spaced blocks."""
+    if isinstance(layout, BlockLayout):  # already one run of blocks
+        if not layout.num_blocks:
+            return []
+        return [
+            Blocks(
+                layout.byte_offset,
+                layout.num_blocks,
+                layout.block_stride_bytes,
+                layout.page_bytes,
+            )
+        ]
+    return _arith.blocks(layout.byte_offset, layout.shape, layout.strides, layout.itemsize)
+
+
+def _normalised(piece: Blocks) -> Blocks:
+    """Back-to-back blocks are one contiguous run (``number == 1``)."""
+    if piece.number == 1 or piece.stride == piece.run:
+        run = piece.run * piece.number
+        return Blocks(piece.offset, 1, run, run)
+    return piece
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_restore = False
+
+
+@contextlib.contextmanager
+def _without_cyclic_gc() -> Iterator[None]:
+    """The sweeps allocate many small, cycle-free tuples; each allocation burst would make the
+    cyclic collector rescan the caller's whole heap (millions of objects in an inference server),
+    turning a linear sweep quadratic. Pause it, and restore it as found, also across threads."""
+    global _gc_depth, _gc_restore
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_restore = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_restore:
+                gc.enable()
 
 
 # A rectangle in (block index, byte within the block) coordinates of one block stride:
@@ -148,46 +186,73 @@ def _overlaps_in_group(pieces: list[tuple[Blocks, int]]) -> dict[tuple[int, int]
     for stride, rects in by_stride.items():
         if _sweep_one_stride(rects, stride, found, exhaustive=False):
             _sweep_one_stride(rects, stride, found, exhaustive=True)
-    _sweep_spans(pieces, found)
+    if len(by_stride) > 1 or any(piece.number == 1 for piece, _ in pieces):
+        # contiguous runs, or runs of different strides: only the span sweep can pair them
+        _sweep_spans(pieces, found)
     return found
 
 
 def find_overlaps(
-    layouts: Mapping[str, Layout], *, groups: Mapping[str, Hashable] | None = None
+    layouts: Mapping[str, Layout], *, groups: Mapping[str, Hashable | None] | None = None
 ) -> list[Overlap]:
     """Every pair of views that share at least one byte, each with one shared byte.
 
-    ``layouts`` maps view names to layouts over one storage. ``groups`` maps each view name to its
-    aliasing group: views of different groups may share bytes (in vLLM's hybrid allocator a block
-    id belongs to one KV-cache group at a time) and are not reported; without ``groups`` no two
-    views may share a byte. The result is ordered by the positions of the two views in
-    ``layouts``, and each witness byte is the lowest found for that pair.
+    ``layouts`` maps view names to layouts over one storage. ``groups`` maps view names to their
+    aliasing groups: views of two different groups may share bytes (in vLLM's hybrid allocator a
+    block id belongs to one KV-cache group at a time) and are not reported. A view without a group
+    (absent from ``groups``, or mapped to ``None``) may share a byte with no other view, and
+    without ``groups`` no two views may. The result is ordered by the positions of the two views
+    in ``layouts``; each witness is the lowest shared byte found for that pair.
 
     >>> from safeview import packed_layouts
     >>> find_overlaps(packed_layouts({"k": 64, "v": 64}, num_blocks=100))
     []
     """
-    names = list(layouts)
-    if groups is not None:
-        missing = [name for name in names if name not in groups]
-        if missing:
-            shown = ", ".join(repr(name) for name in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ArgumentError(f"groups names no group for view(s) {shown}{more}")
-    members: dict[Hashable, list[tuple[Blocks, int]]] = defaultdict(list)
-    for index, name in enumerate(names):
-        group = None if groups is None else groups[name]
-        try:
-            pieces = pieces_of(layouts[name])
-        except ValueError as error:
-            raise ArgumentError(f"view {name!r}: {error}") from None
-        members[group].extend((piece, index) for piece in pieces)
-    found = []
-    for group, members_pieces in members.items():
-        for (a, b), byte in _overlaps_in_group(members_pieces).items():
-            found.append((a, b, byte, group))
-    found.sort(key=lambda item: (item[0], item[1]))
-    return [Overlap(names[a], names[b], byte, group) for a, b, byte, group in found]
+    with _without_cyclic_gc():
+        named = {}
+        for name, layout in layouts.items():
+            try:
+                named[name] = pieces_of(layout)
+            except ValueError as error:
+                raise ArgumentError(f"view {name!r}: {error}") from None
+        return overlaps_among(named, groups=groups)
+
+
+def overlaps_among(
+    pieces: Mapping[str, Sequence[Blocks]], *, groups: Mapping[str, Hashable | None] | None = None
+) -> list[Overlap]:
+    """``find_overlaps`` on views already split into ``Blocks`` (see ``pieces_of``)."""
+    with _without_cyclic_gc():
+        return _overlaps_among(pieces, groups)
+
+
+def _overlaps_among(
+    pieces: Mapping[str, Sequence[Blocks]], groups: Mapping[str, Hashable | None] | None
+) -> list[Overlap]:
+    names = list(pieces)
+    group_of = [None if groups is None else groups.get(name) for name in names]
+    found: dict[tuple[int, int], int] = {}
+    if any(group is None for group in group_of) or len(set(group_of)) == 1:
+        # One sweep over everything, keeping the pairs that may not share.
+        every = [
+            (_normalised(piece), index)
+            for index, name in enumerate(names)
+            for piece in pieces[name]
+        ]
+        for (a, b), byte in _overlaps_in_group(every).items():
+            if group_of[a] is None or group_of[b] is None or group_of[a] == group_of[b]:
+                found[(a, b)] = byte
+    else:
+        members: dict[Hashable, list[tuple[Blocks, int]]] = defaultdict(list)
+        for index, name in enumerate(names):
+            members[group_of[index]].extend((_normalised(p), index) for p in pieces[name])
+        for member_pieces in members.values():
+            found.update(_overlaps_in_group(member_pieces))
+    shared = group_of if groups is not None else [None] * len(names)
+    return [
+        Overlap(names[a], names[b], byte, shared[a] if shared[a] == shared[b] else None)
+        for (a, b), byte in sorted(found.items())
+    ]
 
 
 def covered_views(overlaps: Iterable[Overlap]) -> set[str]:

@@ -143,13 +143,13 @@ class _Derived(Generic[T]):
         raise AttributeError(f"{self.name} is set when the layout is validated")
 
 
-def _field_error(
-    model: BaseModel, field: str, value: Any, kind: str, message: str
+def field_error(
+    model: BaseModel, loc: tuple[str | int, ...], value: Any, kind: str, message: str
 ) -> ValidationError:
-    """A ``ValidationError`` located at ``field``, raised from a validator that sees all fields."""
+    """A ``ValidationError`` located at ``loc``, raised from a validator that sees all fields."""
     return ValidationError.from_exception_data(
         type(model).__name__,
-        [InitErrorDetails(type=PydanticCustomError(kind, message), loc=(field,), input=value)],
+        [InitErrorDetails(type=PydanticCustomError(kind, message), loc=loc, input=value)],
     )
 
 
@@ -219,9 +219,9 @@ class BlockLayout(Spec):
         num_blocks, page_bytes = fields["num_blocks"], fields["page_bytes"]
         block_stride_bytes, byte_offset = fields["block_stride_bytes"], fields["byte_offset"]
         if num_blocks > 1 and block_stride_bytes < page_bytes:
-            raise _field_error(
+            raise field_error(
                 self,
-                "block_stride_bytes",
+                ("block_stride_bytes",),
                 block_stride_bytes,
                 "pages_overlap",
                 f"block_stride_bytes={block_stride_bytes} is smaller than page_bytes={page_bytes}: "

@@ -19,7 +19,7 @@ from safeview.errors import ArgumentError, BoundsError
 from safeview.policy import Policy, current_policy
 from safeview.spec import BlockLayout, Layout, Region, StridedLayout
 
-__all__ = ["make_view", "storage_of"]
+__all__ = ["event_fields", "make_view", "storage_of", "strided_view"]
 
 _DTYPES: dict[str, torch.dtype] = {}
 _logger = log.stdlib_logger
@@ -57,6 +57,21 @@ def _event_fields(
     storage: torch.UntypedStorage,
     region: Region | None,
 ) -> dict[str, Any]:
+    return event_fields(
+        name, policy, layout.describe(), layout.extent_bytes, storage=storage, region=region
+    )
+
+
+def event_fields(
+    name: str | None,
+    policy: Policy,
+    described: dict[str, Any],
+    extent_bytes: int,
+    *,
+    storage: torch.UntypedStorage,
+    region: Region | None = None,
+) -> dict[str, Any]:
+    """The fields of ``view_created`` and ``bounds_violation`` (see the README's event table)."""
     nbytes = storage.nbytes()
     limit = nbytes if region is None else min(nbytes, region.end_byte)
     fields: dict[str, Any] = {
@@ -64,10 +79,10 @@ def _event_fields(
         "policy": policy.value,
         "device": str(storage.device),
         "storage_nbytes": nbytes,
-        **layout.describe(),
-        "extent_bytes": layout.extent_bytes,
+        **described,
+        "extent_bytes": extent_bytes,
         "limit_bytes": limit,
-        "slack_bytes": limit - layout.extent_bytes,
+        "slack_bytes": limit - extent_bytes,
     }
     if region is not None:
         fields["region"] = region.as_list()
@@ -90,6 +105,25 @@ def _report(
         fields = _event_fields(name, policy, layout, storage, region)
         fields.update(violation.fields())
         log.emit(level, "bounds_violation", fields)
+
+
+def strided_view(
+    tensor: torch.Tensor | None,
+    storage: torch.UntypedStorage,
+    dtype_name: str,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    element_offset: int,
+) -> torch.Tensor:
+    """``torch.as_strided`` over ``storage``, the one call that makes every view: directly on
+    ``tensor`` when it has the dtype already, else on a one-argument ``set_`` of the storage,
+    which views the storage as it is and never resizes it. Checks nothing itself."""
+    dtype = _DTYPES.get(dtype_name) or _torch_dtype(dtype_name)
+    if tensor is not None and tensor.dtype is dtype:
+        base = tensor
+    else:
+        base = torch.empty(0, dtype=dtype, device=storage.device).set_(storage)
+    return torch.as_strided(base, shape, strides, element_offset)
 
 
 def make_view(
@@ -142,14 +176,10 @@ def make_view(
         if violations:
             _check_failed(violations, active, name, layout, storage, region)
 
-    dtype = _DTYPES.get(layout.dtype) or _torch_dtype(layout.dtype)
-    if tensor is not None and tensor.dtype is dtype:
-        base = tensor
-    else:
-        # The one-argument set_ views the whole storage as it is; it never resizes.
-        base = torch.empty(0, dtype=dtype, device=storage.device).set_(storage)
     try:
-        view = torch.as_strided(base, layout.shape, layout.strides, layout.element_offset)
+        view = strided_view(
+            tensor, storage, layout.dtype, layout.shape, layout.strides, layout.element_offset
+        )
     except RuntimeError as error:
         if active is Policy.OFF or extent <= storage.nbytes():
             raise

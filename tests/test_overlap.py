@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import pytest
 
-from safeview import ArgumentError, BlockLayout, Layout, StridedLayout, packed_layouts
+from safeview import BlockLayout, Layout, StridedLayout, packed_layouts
 from safeview.overlap import find_overlaps
 
 NUMPY_DTYPES = {"int8": np.int8, "float16": np.float16, "float32": np.float32}
@@ -188,10 +187,16 @@ def test_groups_allow_sharing_across_groups_only() -> None:
     assert "group 0" in overlap.message()
 
 
-def test_groups_must_name_every_view() -> None:
-    layouts = packed_layouts({"a": 4, "b": 4}, num_blocks=2)
-    with pytest.raises(ArgumentError, match="groups names no group for view"):
-        find_overlaps(layouts, groups={"a": 0})
+def test_a_view_without_group_may_share_with_no_view() -> None:
+    attention = BlockLayout(num_blocks=8, page_bytes=64, block_stride_bytes=64)
+    mamba = BlockLayout(num_blocks=8, page_bytes=64, block_stride_bytes=64)
+    stray = BlockLayout(num_blocks=1, page_bytes=8, block_stride_bytes=8, byte_offset=64)
+    layouts = {"attn.0": attention, "mamba.0": mamba, "stray": stray}
+    overlaps = find_overlaps(layouts, groups={"attn.0": 0, "mamba.0": 1})
+    assert [(o.first, o.second, o.group) for o in overlaps] == [
+        ("attn.0", "stray", None),
+        ("mamba.0", "stray", None),
+    ]
 
 
 def test_empty_views_share_nothing() -> None:

@@ -1,0 +1,126 @@
+"""``safeview check --map``: a picture of each storage. Needs matplotlib (``safeview[plot]``).
+
+A storage whose views share one block stride is drawn as one block period, each view's page a
+band at its place in the block; any other storage is drawn whole, to scale. Views with a violation
+are red, with its kind written beside them; the other views are coloured by group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
+
+from safeview.plan import Plan, PlanView
+from safeview.report import Report
+
+__all__ = ["draw_map"]
+
+RED = "#d62728"
+GROUP_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22", "#7f7f7f"]
+
+
+def _segments_in_period(view: PlanView, stride: int) -> list[tuple[int, int]]:
+    start = view.byte_offset % stride
+    first = min(view.page_bytes, stride - start)
+    segments = [(start, first)]
+    if view.page_bytes > first:
+        segments.append((0, min(view.page_bytes - first, stride)))
+    return segments
+
+
+def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
+    views = [view for view in plan.views if view.storage == storage]
+    nbytes = next(s.nbytes for s in plan.storages if s.name == storage)
+    status = {row.name: row.status for row in report.rows}
+    groups = list(dict.fromkeys(view.group for view in views))
+    strides = {view.block_stride_bytes for view in views if view.num_blocks > 1}
+    gapped = any(view.page_bytes < view.block_stride_bytes for view in views if view.num_blocks > 1)
+    # One block period says it all for a packed group; contiguous views are drawn to scale.
+    period = next(iter(strides)) if len(strides) == 1 and gapped else None
+    limit = (
+        period
+        if period is not None
+        else max([nbytes, *(r.extent_bytes for r in report.rows if r.storage == storage)])
+    )
+    for row, view in enumerate(views):
+        bad = status[view.name] != "ok"
+        colour = RED if bad else GROUP_COLOURS[groups.index(view.group) % len(GROUP_COLOURS)]
+        if period is not None:
+            segments = _segments_in_period(view, period)
+        else:
+            extent = next(r.extent_bytes for r in report.rows if r.name == view.name)
+            inside = min(extent, nbytes) - view.byte_offset
+            segments = [(view.byte_offset, max(inside, 0))]
+            if extent > nbytes:
+                ax.broken_barh(
+                    [(max(view.byte_offset, nbytes), extent - max(view.byte_offset, nbytes))],
+                    (row - 0.4, 0.8),
+                    facecolors=RED,
+                    hatch="///",
+                    edgecolor="white",
+                )
+        ax.broken_barh(segments, (row - 0.4, 0.8), facecolors=colour, edgecolor="white")
+        if bad:
+            ax.text(limit, row, f"  {status[view.name]}", va="center", fontsize=7, color=RED)
+    for finding in report.findings:
+        byte = finding.numbers.get("byte")
+        if finding.kind == "overlap" and finding.storage == storage and byte is not None:
+            x = byte % period if period is not None else byte
+            ax.axvline(x, color=RED, linestyle="--", linewidth=0.8)
+    if period is None:
+        ax.axvline(nbytes, color="black", linewidth=1.0)
+        ax.text(nbytes, -0.9, " end of storage", fontsize=7, va="bottom")
+    ax.set_xlim(0, limit)
+    ax.set_ylim(len(views) - 0.4, -1.0)
+    ax.set_yticks(range(len(views)))
+    ax.set_yticklabels([view.name for view in views], fontsize=7 if len(views) <= 40 else 5.5)
+    if period is not None:
+        blocks = max((view.num_blocks for view in views), default=0)
+        ax.set_title(
+            f"storage {storage!r}: {nbytes:,} bytes; one block period of {period:,} bytes "
+            f"(up to {blocks:,} blocks)",
+            fontsize=9,
+            loc="left",
+        )
+        ax.set_xlabel("byte within the block", fontsize=8)
+    else:
+        ax.set_title(f"storage {storage!r}: {nbytes:,} bytes, to scale", fontsize=9, loc="left")
+        ax.set_xlabel("byte of the storage", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x):,}"))
+    if len(groups) > 1:
+        handles = [
+            Patch(color=GROUP_COLOURS[i % len(GROUP_COLOURS)], label=f"group {group}")
+            for i, group in enumerate(groups)
+        ]
+        ax.legend(handles=handles, fontsize=6, loc="lower right", framealpha=0.9)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def draw_map(plan: Plan, report: Report, path: str | Path) -> None:
+    """Write a PNG of every storage of ``plan``, marked with ``report``'s findings."""
+    heights = [
+        1.2 + 0.16 * sum(1 for view in plan.views if view.storage == storage.name)
+        for storage in plan.storages
+    ]
+    figure, axes = plt.subplots(
+        len(plan.storages),
+        1,
+        figsize=(11, sum(heights) + 0.6),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
+    for ax, storage in zip(axes[:, 0], plan.storages):
+        _draw_storage(ax, plan, report, storage.name)
+    verdict = "clean" if report.ok else f"{len(report.findings)} violation(s), in red"
+    figure.suptitle(f"{plan.description or Path(str(path)).stem}: {verdict}", fontsize=10)
+    figure.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.45 / (sum(heights) + 0.6)))
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,127 @@
+"""Layout plans: a registration written down as JSON, checked offline without torch.
+
+A plan names its storages (``name``, ``nbytes``) and its block views (``name``, ``storage``,
+``num_blocks``, ``page_bytes``, ``block_stride_bytes``, ``byte_offset``, optional ``group`` and
+``region``). ``safeview check PLAN.json`` validates it with ``Plan`` and judges it with
+``report.check_views``; ``safeview.kv.Registration.to_plan()`` writes one from a live server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field, model_validator
+
+from safeview.report import Report, ViewRecord, check_views
+from safeview.spec import Count, Positive, Region, Spec, field_error
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["Plan", "PlanStorage", "PlanView"]
+
+Name = Annotated[str, Field(min_length=1)]
+
+
+class PlanStorage(Spec):
+    """One storage: its name in the plan and its size in bytes (``untyped_storage().nbytes()``)."""
+
+    name: Name
+    nbytes: Count
+    device: str | None = None
+
+
+class PlanView(Spec):
+    """One block view of a plan. The numbers are integers in int64 range; whether they make sense
+    (bounds, self-overlap) is what ``safeview check`` reports, so they are not refused here."""
+
+    name: Name
+    storage: Name
+    num_blocks: Count
+    page_bytes: Positive
+    block_stride_bytes: Positive
+    byte_offset: Count = 0
+    group: str | int | None = None
+    region: Region | None = None
+
+    def record(self) -> ViewRecord:
+        return ViewRecord.block(
+            self.name,
+            self.storage,
+            num_blocks=self.num_blocks,
+            page_bytes=self.page_bytes,
+            block_stride_bytes=self.block_stride_bytes,
+            byte_offset=self.byte_offset,
+            group=self.group,
+            region=self.region,
+        )
+
+
+class Plan(Spec):
+    """A set of storages and the block views laid over them.
+
+    >>> plan = Plan.model_validate({
+    ...     "storages": [{"name": "kv", "nbytes": 1024}],
+    ...     "views": [{"name": "k", "storage": "kv", "num_blocks": 4, "page_bytes": 128,
+    ...                "block_stride_bytes": 256},
+    ...               {"name": "v", "storage": "kv", "num_blocks": 4, "page_bytes": 128,
+    ...                "block_stride_bytes": 256, "byte_offset": 128}]})
+    >>> plan.check().ok
+    True
+    """
+
+    description: str | None = None
+    storages: list[PlanStorage] = Field(min_length=1)
+    views: list[PlanView]
+
+    @model_validator(mode="after")
+    def _names_resolve(self) -> Self:
+        names = {
+            "storages": [storage.name for storage in self.storages],
+            "views": [view.name for view in self.views],
+        }
+        for field, listed in names.items():
+            counts = Counter(listed)
+            seen: set[str] = set()
+            for index, name in enumerate(listed):
+                if name in seen:
+                    raise field_error(
+                        self,
+                        (field, index, "name"),
+                        name,
+                        "duplicate_name",
+                        f"{field[:-1]} name {name!r} appears {counts[name]} times",
+                    )
+                seen.add(name)
+        known = {storage.name for storage in self.storages}
+        for index, view in enumerate(self.views):
+            if view.storage not in known:
+                raise field_error(
+                    self,
+                    ("views", index, "storage"),
+                    view.storage,
+                    "unknown_storage",
+                    f"view {view.name!r} names storage {view.storage!r}, which the plan does not "
+                    f"list (storages: {', '.join(sorted(known))})",
+                )
+        return self
+
+    def check(self) -> Report:
+        """Every view and every pair, judged by ``report.check_views``."""
+        return check_views(
+            {storage.name: storage.nbytes for storage in self.storages},
+            [view.record() for view in self.views],
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read and validate a plan file. Raises ``OSError`` or pydantic's ``ValidationError``."""
+        return cls.model_validate_json(Path(path).read_bytes())
+
+    def dump(self, path: str | Path) -> None:
+        """Write the plan as indented JSON."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
