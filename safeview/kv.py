@@ -1,9 +1,10 @@
 """Whole-cache registration, shaped like the per-layer loop of vLLM's ``register_kv_caches``.
 
 ``block_views`` turns the engine's ``kv_caches`` (layer name -> tensor, or list of tensors) into
-checked ``(num_blocks, page_bytes)`` int8 views, one storage at a time: every view is made with
-``make_view`` (bounds, region), and all views of one storage are checked against each other for
-shared bytes, scoped by their KV-cache groups. ``guard_registration`` checks the tensors a
+checked ``(num_blocks, page_bytes)`` int8 views: every view is checked by ``make_view``'s rules
+(bounds, region; a view that breaks one goes through ``make_view`` itself, for its event and its
+error), and all views of one storage are checked against each other for shared bytes, scoped by
+their KV-cache groups. ``guard_registration`` checks the tensors a
 connector is handed, as they are, before its own ``register_kv_caches`` runs.
 """
 
@@ -254,7 +255,7 @@ def _log_overlaps(report: Report, active: Policy) -> None:
 
 
 def _raise_or_log(report: Report, active: Policy) -> None:
-    """Under strict, raise for the first broken bound, else for the overlaps; log under warn."""
+    """Log the shared bytes; under strict, raise ``OverlapError`` for them."""
     if active is Policy.OFF:
         return
     _log_overlaps(report, active)
@@ -272,11 +273,6 @@ def _layout(record: ViewRecord) -> BlockLayout:
         block_stride_bytes=record.strides[0],
         byte_offset=record.byte_offset,
     )
-
-
-def _self_overlaps(record: ViewRecord) -> bool:
-    (num_blocks, page_bytes), (stride, _) = record.shape, record.strides
-    return num_blocks > 1 and stride < page_bytes
 
 
 def block_views(
@@ -344,12 +340,13 @@ def block_views(
     _raise_or_log(report, active)
 
     flagged = {name for finding in report.findings for name in finding.views}
+    self_overlapping = {f.views[0] for f in report.findings if f.kind == "self_overlap"}
     views: dict[str, list[torch.Tensor]] = {layer: [] for layer in page_bytes}
     debug = log.enabled(logging.DEBUG)
     for plan in plans:
         record = plan.record
         storage = storages.storages[record.storage]
-        if record.name in flagged and record.as_blocks is not None and not _self_overlaps(record):
+        if record.name in flagged and record.name not in self_overlapping:
             # make_view logs the broken bound and, where torch refuses, raises BoundsError.
             view = make_view(
                 plan.tensor, _layout(record), name=record.name, policy=active, region=record.region

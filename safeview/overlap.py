@@ -122,6 +122,16 @@ def _sweep_one_stride(
     while no two active rectangles intersect, i.e. until the first overlap, after which the caller
     runs the exhaustive pass."""
     rects = sorted(rects)
+    if not exhaustive and len({(rect[2], rect[3]) for rect in rects}) == 1:
+        # All on the same blocks (a packed group): pages meet iff their ranges within the block
+        # do, so one pass over the sorted ranges settles the clean case.
+        reach = 0
+        for r0, r1, *_ in rects:
+            if r0 < reach:
+                break
+            reach = r1
+        else:
+            return False
     starts: list[int] = []  # first block of each active rectangle, sorted
     active: list[_Rect] = []  # in the same order
     expiry: list[tuple[int, int, int, int, int]] = []  # heap of (end residue, first block, ...)

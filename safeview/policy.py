@@ -43,14 +43,13 @@ def coerce_policy(value: Policy | str, *, source: str = "policy") -> Policy:
     """A ``Policy`` from a member or its name (case and surrounding blanks ignored)."""
     if isinstance(value, Policy):
         return value
-    known = _BY_NAME.get(value)
-    if known is not None:
-        return known
     if isinstance(value, str):
-        try:
-            return Policy(value.strip().lower())
-        except ValueError:
-            pass
+        known = _BY_NAME.get(value)
+        if known is not None:
+            return known
+        known = _BY_NAME.get(value.strip().lower())
+        if known is not None:
+            return known
     raise ConfigError(source, value, _ALLOWED)
 
 

@@ -1,0 +1,74 @@
+"""The README stays true: its API tour runs, and its event table names every key emitted."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from safeview import BlockLayout, BoundsError, StridedLayout, make_view
+from safeview.kv import block_views
+from safeview.testing import capture_events
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+ALWAYS = {"event", "level", "timestamp", "logger"}
+
+
+def _section(title: str) -> str:
+    start = README.index(f"## {title}")
+    end = README.find("\n## ", start + 1)
+    return README[start:end]
+
+
+def test_api_tour_runs() -> None:
+    [code] = re.findall(r"```python\n(.*?)```", _section("API tour"), re.S)
+    exec(compile(code, "README.md", "exec"), {})
+
+
+def _documented_keys() -> dict[str, set[str]]:
+    table = _section("Log events")
+    keys = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            keys[cells[0].strip("`")] = set(re.findall(r"`([a-z_]+)`", cells[2]))
+    return keys
+
+
+def _emitted() -> list[dict[str, Any]]:
+    kv = torch.zeros(128, dtype=torch.int8)
+    meta = torch.empty(64, dtype=torch.int8, device="meta")
+    block = BlockLayout(num_blocks=3, page_bytes=16, block_stride_bytes=32, byte_offset=8)
+    with capture_events() as events:
+        make_view(kv, block, name="a", region=(0, 128))
+        make_view(kv, StridedLayout(shape=(2, 3), strides=(4, 1), dtype="float16"))
+        make_view(meta, block.model_copy(update={"num_blocks": 4}), policy="warn", region=(0, 8))
+        with pytest.raises(BoundsError):
+            make_view(meta, block.model_copy(update={"num_blocks": 4}))
+        raw = torch.zeros(4 * 64, dtype=torch.int8)
+        caches = {
+            "x": torch.as_strided(raw, (4, 32), (64, 1), 0),
+            "y": torch.as_strided(raw, (4, 32), (64, 1), 16),
+        }
+        block_views(caches, {"x": 32, "y": 32}, num_blocks=4, packed=caches, policy="warn")
+    return events
+
+
+def test_event_table_documents_every_key_that_is_emitted() -> None:
+    documented = _documented_keys()
+    assert set(documented) == {
+        "view_created",
+        "bounds_violation",
+        "overlap_violation",
+        "registration_checked",
+    }
+    # bounds_violation has "the keys of view_created" plus its own
+    documented["bounds_violation"] |= documented["view_created"]
+    events = _emitted()
+    assert {event["event"] for event in events} == set(documented)
+    for event in events:
+        undocumented = set(event) - documented[event["event"]] - ALWAYS
+        assert not undocumented, (event["event"], undocumented)
