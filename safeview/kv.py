@@ -151,7 +151,7 @@ class Registration:
                         "page_bytes": record.shape[1],
                         "block_stride_bytes": record.strides[0],
                         "byte_offset": record.byte_offset,
-                        "group": record.group,
+                        "group": _plan_group(record.group),
                         "region": record.region,
                     }
                     for record in self.records
@@ -161,6 +161,13 @@ class Registration:
         if path is not None:
             plan.dump(path)
         return plan
+
+
+def _plan_group(group: Hashable | None) -> str | int | None:
+    """Plans name groups by ``str`` or ``int``; other group keys are written as text."""
+    if group is None or (isinstance(group, (str, int)) and not isinstance(group, bool)):
+        return group
+    return str(group)
 
 
 def _plan_layer(

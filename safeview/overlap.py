@@ -18,7 +18,7 @@ import gc
 import heapq
 import threading
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from safeview import _arith
@@ -263,8 +263,3 @@ def _overlaps_among(
         Overlap(names[a], names[b], byte, shared[a] if shared[a] == shared[b] else None)
         for (a, b), byte in sorted(found.items())
     ]
-
-
-def covered_views(overlaps: Iterable[Overlap]) -> set[str]:
-    """Names of every view that takes part in at least one overlap."""
-    return {name for overlap in overlaps for name in (overlap.first, overlap.second)}

@@ -68,7 +68,8 @@ def current_policy(policy: Policy | str | None = None) -> Policy:
     Raises ``ConfigError`` when the one that decides has a value that is not a policy.
     """
     if policy is not None:
-        return policy if isinstance(policy, Policy) else coerce_policy(policy)
+        known = _BY_NAME.get(policy) if type(policy) is str else None
+        return known or coerce_policy(policy)
     scoped = _scoped.get()
     if scoped is not None:
         return scoped

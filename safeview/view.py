@@ -24,6 +24,7 @@ __all__ = ["event_fields", "make_view", "storage_of", "strided_view"]
 _DTYPES: dict[str, torch.dtype] = {}
 _logger = log.stdlib_logger
 _STRIDED = torch.strided
+_UNTYPED = torch.UntypedStorage
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -155,12 +156,15 @@ def make_view(
         raise ArgumentError(
             f"layout must be a safeview BlockLayout or StridedLayout; got {type(layout).__name__}"
         )
-    tensor = target if isinstance(target, torch.Tensor) else None
-    storage = (
-        tensor.untyped_storage()
-        if tensor is not None and tensor.layout is _STRIDED
-        else storage_of(target)
-    )
+    if type(target) is _UNTYPED:
+        tensor, storage = None, target
+    else:
+        tensor = target if isinstance(target, torch.Tensor) else None
+        storage = (
+            tensor.untyped_storage()
+            if tensor is not None and tensor.layout is _STRIDED
+            else storage_of(target)
+        )
     if region is not None:
         region = Region.coerce(region)
 

@@ -66,6 +66,17 @@ def _random_kv_split(rng: random.Random) -> Layout:
     )
 
 
+def _random_interleaved_kv(rng: random.Random) -> Layout:
+    # K and V pages side by side inside each block: (2, blocks, page), strides (kv, block, 1)
+    page = rng.randint(1, 12)
+    kv_stride = rng.randint(page, page + 8)
+    return StridedLayout(
+        shape=(2, rng.randint(1, 6), page),
+        strides=(kv_stride, rng.randint(page + kv_stride, page + kv_stride + 20), 1),
+        byte_offset=rng.randint(0, 100),
+    )
+
+
 def _random_typed(rng: random.Random) -> Layout:
     dtype = rng.choice(["float16", "float32"])
     itemsize = 2 if dtype == "float16" else 4
@@ -80,9 +91,11 @@ def _random_typed(rng: random.Random) -> Layout:
 
 
 def _random_layout(rng: random.Random) -> Layout:
-    kind = rng.choice(["packed", "packed", "contiguous", "gapped", "kv", "typed"])
+    kind = rng.choice(["packed", "packed", "contiguous", "gapped", "kv", "interleaved", "typed"])
     if kind == "kv":
         return _random_kv_split(rng)
+    if kind == "interleaved":
+        return _random_interleaved_kv(rng)
     if kind == "typed":
         return _random_typed(rng)
     return _random_block(rng, kind)

@@ -448,3 +448,20 @@ def test_unknown_policy_argument_is_a_config_error() -> None:
 def test_bounds_error_is_a_safeview_error() -> None:
     assert issubclass(BoundsError, safeview.SafeViewError)
     assert issubclass(ArgumentError, TypeError)
+
+
+def test_no_module_of_safeview_calls_the_resizing_set_() -> None:
+    import ast
+    from pathlib import Path
+
+    calls = []
+    for path in Path(safeview.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "set_"
+            ):
+                calls.append((path.name, len(node.args) + len(node.keywords)))
+    assert calls, "the one-argument set_ is expected in the torch boundary"
+    assert all(count == 1 for _, count in calls), calls
