@@ -5,8 +5,10 @@ against the storage, a declared region and the policy in force; an ``as_strided`
 never a copy, never a resized storage; and each decision leaves a structured log event.
 
 The pipeline, one module each: ``spec`` (layouts) -> ``check`` (bounds) -> ``view`` (the torch
-boundary) -> ``log`` (events). Importing safeview does not import torch; the names that need it
-(``make_view``) load it on first use.
+boundary) -> ``log`` (events). Around it: ``overlap`` (exact aliasing between views), ``report``
+(every view and pair of a whole layout), ``plan`` (layouts as JSON files), ``kv`` (whole-cache
+registration from live tensors) and ``cli`` (the ``safeview`` command). Only ``view`` and ``kv``
+import torch; importing safeview does not, and ``make_view`` and ``kv`` load it on first use.
 """
 
 from __future__ import annotations

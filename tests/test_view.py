@@ -104,6 +104,40 @@ def test_strict_accepts_a_block_view_exactly_when_torch_does(
     assert torch.equal(kv, before)
 
 
+@given(
+    layout=block_layouts(),
+    nbytes=st.integers(0, 320),
+    policy=st.sampled_from(list(Policy)),
+    region=st.none() | st.tuples(st.integers(0, 160), st.integers(160, 400)),
+    through_tensor=st.booleans(),
+)
+def test_no_policy_ever_moves_resizes_or_writes_the_storage(
+    layout: BlockLayout,
+    nbytes: int,
+    policy: Policy,
+    region: tuple[int, int] | None,
+    through_tensor: bool,
+) -> None:
+    kv = _patterned(nbytes)
+    before = kv.clone()
+    storage = kv.untyped_storage()
+    state = _storage_state(storage)
+    target: torch.Tensor | torch.UntypedStorage = kv if through_tensor else storage
+    try:
+        view = make_view(target, layout, policy=policy, region=region)
+    except (BoundsError, RuntimeError) as error:
+        # strict refuses what breaks a bound; warn and off only what torch itself refuses
+        assert policy is Policy.STRICT or layout.extent_bytes > nbytes, error
+    else:
+        assert view.untyped_storage().data_ptr() == storage.data_ptr()
+        if policy is Policy.STRICT:
+            assert layout.extent_bytes <= nbytes
+            if region is not None:
+                assert region[0] <= layout.byte_offset <= layout.extent_bytes <= region[1]
+    assert _storage_state(kv.untyped_storage()) == state
+    assert torch.equal(kv, before)
+
+
 @given(layout=block_layouts(), nbytes=st.integers(0, 320))
 def test_empty_views_follow_numpys_offset_rule(layout: BlockLayout, nbytes: int) -> None:
     empty = layout.model_copy(update={"num_blocks": 0})
