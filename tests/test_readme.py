@@ -29,9 +29,16 @@ def test_api_tour_runs() -> None:
 
 
 def _documented_keys() -> dict[str, set[str]]:
-    table = _section("Log events")
+    # the table is the first run of lines that start with "|" (a blank line would end it)
+    lines = _section("Log events").splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
     keys = {}
-    for line in table.splitlines():
+    for line in table:
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`"):
             keys[cells[0].strip("`")] = set(re.findall(r"`([a-z_]+)`", cells[2]))
