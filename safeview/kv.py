@@ -28,7 +28,7 @@ from safeview.plan import Plan
 from safeview.policy import Policy, current_policy
 from safeview.report import Finding, Report, ViewRecord, check_views
 from safeview.spec import BlockLayout, Positive, Region, Spec
-from safeview.view import event_fields, make_view, strided_view
+from safeview.view import event_fields, log_bounds_violations, make_view, strided_view
 
 __all__ = [
     "LayerSpec",
@@ -463,18 +463,21 @@ def check_tensors(
             extent_bytes=record.extent_bytes,
             storage_nbytes=storage.nbytes(),
         )
-        if log.enabled(level):
-            described = {
-                "byte_offset": record.byte_offset,
-                "dtype": str(dtypes[record.name]).removeprefix("torch."),
-                "shape": list(record.shape),
-                "strides": list(record.strides),
-            }
-            fields = event_fields(
-                record.name, active, described, record.extent_bytes, storage=storage
-            )
-            fields.update(violation.fields())
-            log.emit(level, "bounds_violation", fields)
+        described = {
+            "byte_offset": record.byte_offset,
+            "dtype": str(dtypes[record.name]).removeprefix("torch."),
+            "shape": list(record.shape),
+            "strides": list(record.strides),
+        }
+        log_bounds_violations(
+            [violation],
+            level=level,
+            name=record.name,
+            policy=active,
+            described=described,
+            extent_bytes=record.extent_bytes,
+            storage=storage,
+        )
         if first_error is None:
             first_error = BoundsError(
                 violation,

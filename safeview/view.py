@@ -19,7 +19,7 @@ from safeview.errors import ArgumentError, BoundsError
 from safeview.policy import Policy, current_policy
 from safeview.spec import BlockLayout, Layout, Region, StridedLayout
 
-__all__ = ["event_fields", "make_view", "storage_of", "strided_view"]
+__all__ = ["event_fields", "log_bounds_violations", "make_view", "storage_of", "strided_view"]
 
 _DTYPES: dict[str, torch.dtype] = {}
 _logger = log.stdlib_logger
@@ -90,20 +90,22 @@ def event_fields(
     return fields
 
 
-def _report(
+def log_bounds_violations(
     violations: Sequence[Violation],
     *,
     level: int,
     name: str | None,
     policy: Policy,
-    layout: Layout,
+    described: dict[str, Any],
+    extent_bytes: int,
     storage: torch.UntypedStorage,
-    region: Region | None,
+    region: Region | None = None,
 ) -> None:
+    """One ``bounds_violation`` event per broken bound, if ``level`` is enabled."""
     if not log.enabled(level):
         return
     for violation in violations:
-        fields = _event_fields(name, policy, layout, storage, region)
+        fields = event_fields(name, policy, described, extent_bytes, storage=storage, region=region)
         fields.update(violation.fields())
         log.emit(level, "bounds_violation", fields)
 
@@ -218,12 +220,13 @@ def _check_failed(
 ) -> None:
     """Log the broken bounds; under strict, raise for the first."""
     strict = active is Policy.STRICT
-    _report(
+    log_bounds_violations(
         violations,
         level=logging.ERROR if strict else logging.WARNING,
         name=name,
         policy=active,
-        layout=layout,
+        described=layout.describe(),
+        extent_bytes=layout.extent_bytes,
         storage=storage,
         region=region,
     )
