@@ -4,31 +4,33 @@ A layout spec goes in (``BlockLayout`` or ``StridedLayout``); its exact byte ext
 against the storage, a declared region and the policy in force; an ``as_strided`` view comes out,
 never a copy, never a resized storage; and each decision leaves a structured log event.
 
-The pipeline, one module each: ``spec`` (layouts) -> ``check`` (bounds) -> ``view`` (the torch
-boundary) -> ``log`` (events). Around it: ``overlap`` (exact aliasing between views), ``report``
-(every view and pair of a whole layout), ``plan`` (layouts as JSON files), ``kv`` (whole-cache
-registration from live tensors) and ``cli`` (the ``safeview`` command). Only ``view`` and ``kv``
-import torch; importing safeview does not, and ``make_view`` and ``kv`` load it on first use.
+The pipeline, one module each: ``spec`` (layouts) -> ``check`` (the one checker, with
+``findings`` and the ``overlap`` sweeps) -> ``view`` (``make_view``) -> ``log`` (events). Around
+it: ``kv`` (whole-cache registration from live tensors), ``sanitize`` (every view that code we do
+not own makes, checked before it is made), ``vllm`` (vLLM's own views and its plugin), ``plan``
+and ``cli`` (layouts as JSON files and the ``safeview`` command). Only ``_torch`` imports torch;
+importing safeview does not, and the names that need it load it on first use.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from safeview.check import Violation
+from safeview.check import Report
 from safeview.errors import ArgumentError, BoundsError, ConfigError, OverlapError, SafeViewError
+from safeview.findings import Finding
 from safeview.log import configure_from_env, configure_logging, reset_logging
-from safeview.overlap import Overlap, find_overlaps
+from safeview.overlap import find_overlaps
 from safeview.plan import Plan, PlanStorage, PlanView
 from safeview.policy import Policy, current_policy, policy_scope
-from safeview.report import Finding, Report
+from safeview.sanitize import sanitize
 from safeview.spec import BlockLayout, Layout, Region, StridedLayout, packed_layouts
 
 if TYPE_CHECKING:
-    from safeview import kv
+    from safeview import kv, vllm
     from safeview.view import make_view
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ArgumentError",
@@ -37,7 +39,6 @@ __all__ = [
     "ConfigError",
     "Finding",
     "Layout",
-    "Overlap",
     "OverlapError",
     "Plan",
     "PlanStorage",
@@ -47,7 +48,6 @@ __all__ = [
     "Report",
     "SafeViewError",
     "StridedLayout",
-    "Violation",
     "__version__",
     "configure_logging",
     "current_policy",
@@ -57,10 +57,12 @@ __all__ = [
     "packed_layouts",
     "policy_scope",
     "reset_logging",
+    "sanitize",
+    "vllm",
 ]
 
 # Names whose modules import torch, loaded on first use so that the command line stays light.
-_NEEDS_TORCH = {"make_view": "safeview.view", "kv": "safeview.kv"}
+_NEEDS_TORCH = {"make_view": "safeview.view", "kv": "safeview.kv", "vllm": "safeview.vllm"}
 
 
 def __getattr__(name: str) -> Any:

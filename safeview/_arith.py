@@ -149,8 +149,9 @@ def first_multiple_in_range(a: int, m: int, lo: int, hi: int) -> int | None:
 def shared_byte(first: Blocks, second: Blocks) -> int | None:
     """A byte that both ``first`` and ``second`` touch, or ``None`` when they are disjoint.
 
-    Exact for any strides and counts, in O(log stride) steps. The answer is deterministic: the first
-    byte where the earliest block of ``first`` that meets ``second`` meets it.
+    Exact for any strides and counts, in O(log stride) steps, for runs whose own blocks do not
+    overlap (``stride >= run`` or ``number == 1``). The answer is the lowest shared byte: the
+    first byte where the earliest block of ``first`` that meets ``second`` meets it.
     """
     o1, n1, s1, p1 = first
     o2, n2, s2, p2 = second
@@ -173,12 +174,18 @@ def shared_byte(first: Blocks, second: Blocks) -> int | None:
             high = low + window
             step = 0 if high >= s2 else first_multiple_in_range(s1, s2, low, high)
         if step is not None and step <= i_hi - i_lo:
-            i = i_lo + step
-            j = (c + i * s1) // s2
-            return max(o1 + i * s1, o2 + j * s2)
+            return _lowest_in_block(first, second, i_lo + step)
     # Blocks i past the end of `second` (r_i >= n2*s2): only the first of them can still meet its
     # last block.
     i = max(0, _ceil_div(n2 * s2 - c, s1))
     if i <= n1 - 1 and o1 + i * s1 - o2 <= (n2 - 1) * s2 + p2 - 1:
-        return max(o1 + i * s1, o2 + (n2 - 1) * s2)
+        return _lowest_in_block(first, second, i)
     return None
+
+
+def _lowest_in_block(first: Blocks, second: Blocks, i: int) -> int:
+    """The lowest byte that block ``i`` of ``first`` shares with ``second``, given that it
+    shares one: with the first block of ``second`` that ends after block ``i`` starts."""
+    start = first.offset + i * first.stride
+    j = max(0, _ceil_div(start - second.offset - (second.run - 1), second.stride))
+    return max(start, second.offset + j * second.stride)

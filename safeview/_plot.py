@@ -18,7 +18,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from safeview.plan import Plan, PlanView
-from safeview.report import Report
+from safeview.check import Report
 
 __all__ = ["draw_map"]
 
@@ -38,7 +38,9 @@ def _segments_in_period(view: PlanView, stride: int) -> list[tuple[int, int]]:
 def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     views = [view for view in plan.views if view.storage == storage]
     nbytes = next(s.nbytes for s in plan.storages if s.name == storage)
-    status = {row.name: row.status for row in report.rows}
+    rows = report.rows()
+    status = {row["name"]: row["status"] for row in rows}
+    extents = {row["name"]: row["extent_bytes"] for row in rows}
     groups = list(dict.fromkeys(view.group for view in views))
     strides = {view.block_stride_bytes for view in views if view.num_blocks > 1}
     gapped = any(view.page_bytes < view.block_stride_bytes for view in views if view.num_blocks > 1)
@@ -47,7 +49,7 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     limit = (
         period
         if period is not None
-        else max([nbytes, *(r.extent_bytes for r in report.rows if r.storage == storage)])
+        else max([nbytes, *(extents[view.name] for view in views)])
     )
     for row, view in enumerate(views):
         bad = status[view.name] != "ok"
@@ -55,7 +57,7 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
         if period is not None:
             segments = _segments_in_period(view, period)
         else:
-            extent = next(r.extent_bytes for r in report.rows if r.name == view.name)
+            extent = extents[view.name]
             inside = min(extent, nbytes) - view.byte_offset
             segments = [(view.byte_offset, max(inside, 0))]
             if extent > nbytes:
@@ -70,7 +72,7 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
         if bad:
             ax.text(limit, row, f"  {status[view.name]}", va="center", fontsize=7, color=RED)
     for finding in report.findings:
-        byte = finding.numbers.get("byte")
+        byte = finding.byte
         if finding.kind == "overlap" and finding.storage == storage and byte is not None:
             x = byte % period if period is not None else byte
             ax.axvline(x, color=RED, linestyle="--", linewidth=0.8)

@@ -1,97 +1,122 @@
-"""Bounds checks: does a layout stay inside its storage and its region? Plain integers, no torch.
+"""The one checker: plain records in, findings out. No torch, no pydantic.
 
-The same functions serve ``make_view`` (live tensors) and ``safeview check`` (plan files), so a
-plan and a live registration are judged by one rule.
+Every judgement safeview makes is one of the rules here, with one message each (the sentences
+live in ``safeview.findings``):
+
+- ``bounds``: a view inside its storage and its region (the empty-view rule included);
+- ``self_overlap``: a view that touches no byte twice (Rust ndarray's rule);
+- ``check_views``: both of the above for every view, then every pair of views over one memory
+  (``safeview.overlap``), scoped by KV-cache group.
+
+``make_view`` asks ``bounds`` about one view; a plan (``safeview check``), a live registration
+(``safeview.kv``), a tensor check and the sanitizer ask ``check_views`` about many.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, NamedTuple
 
-from safeview.spec import Region
+from safeview import _arith
+from safeview._arith import Blocks
+from safeview.errors import ArgumentError
+from safeview.findings import Finding, Kind
+from safeview.overlap import overlapping_pairs, packed_disjoint
 
-__all__ = ["Violation", "bounds_violations"]
+__all__ = [
+    "Report",
+    "StorageRecord",
+    "ViewRecord",
+    "bounds",
+    "check_views",
+    "self_overlap",
+]
 
 
-def _view(name: str | None) -> str:
-    return f"view {name!r}" if name is not None else "the view"
+class ViewRecord(NamedTuple):
+    """One view to check: ``shape`` and ``strides`` in elements of ``itemsize`` bytes, from
+    ``byte_offset`` of the storage named ``storage``. Not validated beyond being integers, so that
+    a broken view is reported instead of refused. ``group`` is its KV-cache group (views of two
+    different groups may share bytes; a view without a group shares with none); ``region`` the
+    ``(start, end)`` byte range it must stay inside; ``dtype`` names the element type in events
+    (``int8`` when not given for a one-byte item)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Violation:
-    """One broken bound of one view.
-
-    ``check`` is ``"storage"`` (the view needs bytes past the end of its storage) or ``"region"``
-    (it needs bytes outside its region). ``limit_bytes`` is the storage size or the region's end;
-    ``overflow_bytes`` counts the view's bytes that lie outside (for an empty view, how far its
-    offset lies past the limit).
-    """
-
-    check: Literal["storage", "region"]
-    name: str | None
+    name: str
+    storage: str
     byte_offset: int
-    extent_bytes: int
-    limit_bytes: int
-    overflow_bytes: int
-    region: Region | None = None
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int = 1
+    group: Hashable | None = None
+    region: tuple[int, int] | None = None
+    dtype: str | None = None
+
+    @classmethod
+    def block(
+        cls,
+        name: str,
+        storage: str,
+        *,
+        num_blocks: int,
+        page_bytes: int,
+        block_stride_bytes: int,
+        byte_offset: int,
+        group: Hashable | None = None,
+        region: tuple[int, int] | None = None,
+    ) -> ViewRecord:
+        """The int8 ``(num_blocks, page_bytes)`` view with strides ``(block_stride_bytes, 1)``."""
+        return cls(
+            name,
+            storage,
+            byte_offset,
+            (num_blocks, page_bytes),
+            (block_stride_bytes, 1),
+            1,
+            group,
+            region,
+        )
 
     @property
-    def slack_bytes(self) -> int:
-        return self.limit_bytes - self.extent_bytes
+    def extent_bytes(self) -> int:
+        """Exclusive end byte (the offset, for an empty view)."""
+        return _arith.extent_bytes(self.byte_offset, self.shape, self.strides, self.itemsize)
 
-    def message(self, storage: str | None = None) -> str:
-        """The violation in one sentence, with every number; ``storage`` names the storage."""
-        empty = self.extent_bytes == self.byte_offset
-        the_storage = "the storage" if storage is None else f"storage {storage!r}"
-        if self.check == "storage":
-            if empty:
-                return (
-                    f"empty {_view(self.name)} starts at byte {self.byte_offset} but "
-                    f"{the_storage} has {self.limit_bytes} bytes "
-                    f"({self.overflow_bytes} bytes past the end)"
-                )
-            return (
-                f"{_view(self.name)} needs bytes [{self.byte_offset}, {self.extent_bytes}) but "
-                f"{the_storage} has {self.limit_bytes} bytes "
-                f"({self.overflow_bytes} bytes past the end)"
-            )
-        assert self.region is not None
-        start, end = self.region.start_byte, self.region.end_byte
-        before = max(0, start - self.byte_offset)
-        after = max(0, self.extent_bytes - end)
-        parts = []
-        if before:
-            parts.append(f"{before} bytes before its start")
-        if after:
-            parts.append(f"{after} bytes past its end")
-        needs = (
-            f"starts at byte {self.byte_offset}"
-            if empty
-            else f"needs bytes [{self.byte_offset}, {self.extent_bytes})"
-        )
-        what = "empty " + _view(self.name) if empty else _view(self.name)
-        return f"{what} {needs} but its region is [{start}, {end}) ({' and '.join(parts)})"
+    @property
+    def nbytes(self) -> int:
+        """Bytes the view holds, gaps not counted (bytes touched twice counted twice)."""
+        count = self.itemsize
+        for size in self.shape:
+            count *= size
+        return count
 
-    def fields(self) -> dict[str, Any]:
-        """Log event fields of this violation."""
-        return {
-            "check": self.check,
-            "limit_bytes": self.limit_bytes,
-            "slack_bytes": self.slack_bytes,
-            "overflow_bytes": self.overflow_bytes,
-            "message": self.message(),
-        }
+    @property
+    def is_block(self) -> bool:
+        """Whether it is a ``(num_blocks, page_bytes)`` int8 block view."""
+        return self.itemsize == 1 and len(self.shape) == 2 and self.strides[1] == 1
 
 
-def bounds_violations(
-    *,
+class StorageRecord(NamedTuple):
+    """A storage: ``nbytes``, and where its bytes lie. Storages with the same ``memory`` key are
+    one address space, byte 0 of this one at ``base`` in it: their views are compared with each
+    other (two storage objects over the same memory, as ``torch.frombuffer`` twice, DLPack or a
+    virtual-memory allocator make). ``memory=None``: a memory of its own."""
+
+    nbytes: int
+    memory: Hashable | None = None
+    base: int = 0
+
+
+def bounds(
     name: str | None,
+    *,
+    storage: str | None,
     byte_offset: int,
     extent_bytes: int,
     storage_nbytes: int,
-    region: Region | None = None,
-) -> list[Violation]:
+    region: tuple[int, int] | None = None,
+) -> list[Finding]:
     """Every bound that the view ``[byte_offset, extent_bytes)`` breaks: storage, then region.
 
     An empty view (``extent_bytes == byte_offset``) must still start inside, at most at the end:
@@ -100,23 +125,328 @@ def bounds_violations(
     found = []
     if extent_bytes > storage_nbytes:
         found.append(
-            Violation(
-                "storage",
+            Finding.out_of_bounds(
                 name,
-                byte_offset,
-                extent_bytes,
-                storage_nbytes,
-                extent_bytes - storage_nbytes,
+                storage=storage,
+                byte_offset=byte_offset,
+                extent_bytes=extent_bytes,
+                storage_nbytes=storage_nbytes,
             )
         )
     if region is not None:
-        start, end = region.start_byte, region.end_byte
+        start, end = region
         if extent_bytes == byte_offset:
-            outside = max(0, start - byte_offset) + max(0, byte_offset - end)
+            before, after = max(0, start - byte_offset), max(0, byte_offset - end)
         else:
-            # Bytes of [byte_offset, extent_bytes) that fall outside [start, end).
-            inside = max(0, min(extent_bytes, end) - max(byte_offset, start))
-            outside = (extent_bytes - byte_offset) - inside
-        if outside:
-            found.append(Violation("region", name, byte_offset, extent_bytes, end, outside, region))
+            before = max(0, min(extent_bytes, start) - byte_offset)
+            after = max(0, extent_bytes - max(byte_offset, end))
+        if before or after:
+            found.append(
+                Finding.out_of_region(
+                    name,
+                    storage=storage,
+                    byte_offset=byte_offset,
+                    extent_bytes=extent_bytes,
+                    region=(start, end),
+                    before=before,
+                    after=after,
+                )
+            )
+    return found
+
+
+def self_overlap(
+    name: str | None,
+    *,
+    storage: str | None,
+    byte_offset: int,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    itemsize: int,
+    block: bool = False,
+    group: Hashable | None = None,
+) -> Finding | None:
+    """The finding when the view touches some byte twice, else ``None``.
+
+    Rust ndarray's rule (``_arith.self_overlap``); for a 2-d int8 view with an inner stride of 1
+    it reads ``num_blocks > 1 and block_stride_bytes < page_bytes``. ``block``: the view is a
+    block view (a ``BlockLayout``, a plan's view), and the message speaks of its block stride.
+    """
+    if len(shape) == 2 and itemsize == 1 and strides[1] == 1:
+        # the block case, decided without sorting axes: the common one by far
+        if shape[0] < 2 or shape[1] == 0 or strides[0] >= shape[1]:
+            return None
+        if shape[1] == 1:  # one byte per page: the page axis does not count
+            if strides[0] > 0:
+                return None
+            axis, reach = 0, 0
+        else:
+            axis, reach = 0, shape[1] - 1
+    else:
+        found = _arith.self_overlap(shape, strides)
+        if found is None:
+            return None
+        axis, reach = found.axis, found.reach
+    return Finding.self_overlap(
+        name,
+        storage=storage,
+        byte_offset=byte_offset,
+        shape=shape,
+        strides=strides,
+        itemsize=itemsize,
+        axis=axis,
+        reach=reach,
+        block=block and axis == 0 and len(shape) == 2 and itemsize == 1,
+        group=group,
+    )
+
+
+def pieces(record: ViewRecord) -> list[Blocks]:
+    """The bytes a view that passed ``self_overlap`` touches, as runs of equally spaced blocks.
+
+    Raises ``ArgumentError`` for a view that splits into more runs than are checked exactly.
+    """
+    if record.is_block:
+        number, run = record.shape
+        if not number or not run:
+            return []
+        return [Blocks(record.byte_offset, number, record.strides[0], run)]
+    try:
+        return _arith.blocks(record.byte_offset, record.shape, record.strides, record.itemsize)
+    except ValueError as error:
+        raise ArgumentError(f"view {record.name!r}: {error}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What ``check_views`` found: the storages (name -> bytes), every view in the order given,
+    and every finding (bounds and self-overlaps in view order, then overlapping pairs)."""
+
+    storages: dict[str, int]
+    views: tuple[ViewRecord, ...]
+    findings: tuple[Finding, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def of_kind(self, *kinds: Kind) -> list[Finding]:
+        """The findings of these kinds, in order."""
+        return [finding for finding in self.findings if finding.kind in kinds]
+
+    def kinds_of(self) -> dict[str, list[Kind]]:
+        """View name -> the kinds of the findings that name it."""
+        kinds: dict[str, list[Kind]] = defaultdict(list)
+        for finding in self.findings:
+            for name in finding.views:
+                kinds[name].append(finding.kind)
+        return kinds
+
+    def rows(self) -> list[dict[str, Any]]:
+        """A row per view: name, storage, group, offset, extent, slack and status."""
+        kinds = self.kinds_of()
+        rows = []
+        for view in self.views:
+            extent = view.extent_bytes
+            nbytes = self.storages[view.storage]
+            listed = kinds.get(view.name)
+            rows.append(
+                {
+                    "name": view.name,
+                    "storage": view.storage,
+                    "group": view.group,
+                    "byte_offset": view.byte_offset,
+                    "extent_bytes": extent,
+                    "storage_nbytes": nbytes,
+                    "slack_bytes": nbytes - extent,
+                    "status": ", ".join(dict.fromkeys(listed)) if listed else "ok",
+                }
+            )
+        return rows
+
+    def min_slack_bytes(self) -> int | None:
+        """The least room left between a view's end and its storage's end."""
+        if not self.views:
+            return None
+        return min(self.storages[view.storage] - view.extent_bytes for view in self.views)
+
+    def to_json(self) -> dict[str, Any]:
+        rows = self.rows()
+        for row in rows:
+            group = row["group"]
+            if not (group is None or isinstance(group, (str, int))):
+                row["group"] = str(group)
+        return {
+            "ok": self.ok,
+            "storages": [{"name": n, "nbytes": b} for n, b in self.storages.items()],
+            "views": rows,
+            "violations": [finding.to_json() for finding in self.findings],
+        }
+
+    def table(self) -> str:
+        """The rows as an aligned text table, one block per storage."""
+        lines = []
+        rows = self.rows()
+        for storage, nbytes in self.storages.items():
+            mine = [row for row in rows if row["storage"] == storage]
+            lines.append(f"storage {storage!r}: {nbytes:,} bytes, {len(mine)} views")
+            cells = [("view", "group", "offset", "extent", "slack", "status")]
+            for row in mine:
+                cells.append(
+                    (
+                        row["name"],
+                        "-" if row["group"] is None else str(row["group"]),
+                        f"{row['byte_offset']:,}",
+                        f"{row['extent_bytes']:,}",
+                        f"{row['slack_bytes']:,}",
+                        row["status"],
+                    )
+                )
+            widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+            for line in cells:
+                text = "  ".join(
+                    cell.ljust(width) if i in (0, 1, 5) else cell.rjust(width)
+                    for i, (cell, width) in enumerate(zip(line, widths))
+                )
+                lines.append("  " + text.rstrip())
+        return "\n".join(lines)
+
+
+class _Memory:
+    """The views over one memory that take part in the pairwise check. Block views are kept as
+    columns of integers (no object per view) for the quick test; any other view's pieces are
+    kept as they are, and then the full sweep runs."""
+
+    __slots__ = ("indices", "storages", "offsets", "numbers", "strides", "runs", "pieces")
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+        self.storages: list[str] = []
+        self.offsets: list[int] = []
+        self.numbers: list[int] = []
+        self.strides: list[int] = []
+        self.runs: list[int] = []
+        self.pieces: dict[int, list[Blocks]] = {}  # position -> pieces, for non-block views
+
+
+def check_views(
+    storages: Mapping[str, int | StorageRecord],
+    views: Iterable[ViewRecord],
+    *,
+    checks: bool = True,
+) -> Report:
+    """Check every view, and every pair of views over one memory.
+
+    ``storages`` maps each storage named by a view to its size in bytes, or to a
+    ``StorageRecord`` that also says which memory it lies in. Each view is checked against its
+    storage and region (``bounds``) and against itself (``self_overlap``); then every pair of
+    views that may not share bytes is checked exactly (``safeview.overlap``). A view that overlaps
+    itself is left out of the pairwise check: its own finding already says what is wrong. With
+    ``checks=False`` nothing is checked (the ``off`` policy) and the report has no findings.
+    """
+    records = {
+        name: value if type(value) is StorageRecord else StorageRecord(value)  # type: ignore[arg-type]
+        for name, value in storages.items()
+    }
+    views = tuple(views)
+    sizes = {name: record.nbytes for name, record in records.items()}
+    if not checks:
+        return Report(sizes, views, ())
+    findings: list[Finding] = []
+    memories: dict[Hashable, _Memory] = {}
+    for index, view in enumerate(views):
+        name, storage_name, offset, shape, strides, itemsize, group, region, dtype = view
+        storage = records.get(storage_name)
+        if storage is None:
+            raise ArgumentError(
+                f"view {name!r} names storage {storage_name!r}, which is not listed"
+            )
+        block = itemsize == 1 and len(shape) == 2 and strides[1] == 1
+        if block:
+            number, run = shape
+            stride = strides[0]
+            end = offset + (number - 1) * stride + run if number and run else offset
+        else:
+            end = _arith.extent_bytes(offset, shape, strides, itemsize)
+        if end > storage.nbytes or region is not None:
+            findings += bounds(
+                name,
+                storage=storage_name,
+                byte_offset=offset,
+                extent_bytes=end,
+                storage_nbytes=storage.nbytes,
+                region=region,
+            )
+        if not block or (number > 1 and stride < run):
+            overlap = self_overlap(
+                name,
+                storage=storage_name,
+                byte_offset=offset,
+                shape=shape,
+                strides=strides,
+                itemsize=itemsize,
+                block=block and dtype is None,
+                group=group,
+            )
+            if overlap is not None:
+                findings.append(overlap)
+                continue
+        key = storage.memory if storage.memory is not None else ("storage", storage_name)
+        memory = memories.get(key)
+        if memory is None:
+            memory = memories[key] = _Memory()
+        if block and not (number and run):
+            continue  # an empty view shares nothing
+        memory.indices.append(index)
+        memory.storages.append(storage_name)
+        if block:
+            memory.offsets.append(offset + storage.base)
+            memory.numbers.append(number)
+            memory.strides.append(stride)
+            memory.runs.append(run)
+        else:
+            memory.offsets.append(-1)
+            memory.numbers.append(0)
+            memory.strides.append(0)
+            memory.runs.append(0)
+            parts = pieces(view)
+            if storage.base:
+                parts = [part._replace(offset=part.offset + storage.base) for part in parts]
+            memory.pieces[len(memory.indices) - 1] = parts
+    for memory in memories.values():
+        findings += _pairs(memory, views, records)
+    return Report(sizes, views, tuple(findings))
+
+
+def _pairs(
+    memory: _Memory, views: Sequence[ViewRecord], records: Mapping[str, StorageRecord]
+) -> list[Finding]:
+    """The overlap findings among the views of one memory."""
+    if len(memory.indices) < 2:
+        return []
+    if not memory.pieces and packed_disjoint(
+        memory.offsets, memory.numbers, memory.strides, memory.runs
+    ):
+        return []
+    every = [
+        memory.pieces[position]
+        if position in memory.pieces
+        else [Blocks(memory.offsets[position], number, memory.strides[position],
+                     memory.runs[position])]
+        for position, number in enumerate(memory.numbers)
+    ]  # fmt: skip
+    group_of = [views[index].group for index in memory.indices]
+    found = []
+    for (a, b), byte in overlapping_pairs(every, group_of):
+        first, second = views[memory.indices[a]], views[memory.indices[b]]
+        storage = memory.storages[a]
+        found.append(
+            Finding.overlap(
+                first.name,
+                second.name,
+                storage=storage,
+                byte=byte - records[storage].base,
+                group=first.group if first.group == second.group else None,
+            )
+        )
     return found

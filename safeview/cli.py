@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from safeview import __version__
 from safeview.plan import Plan
-from safeview.report import Report
+from safeview.check import Report
 
 __all__ = ["main"]
 

@@ -1,4 +1,4 @@
-"""The one exception hierarchy of safeview.
+"""The one exception hierarchy of safeview. Depends on nothing else of the package.
 
 Every error is named after the invariant it protects and carries its numbers as attributes, so a
 program can act on them and a person can read them in the message::
@@ -7,21 +7,21 @@ program can act on them and a person can read them in the message::
     ├── BoundsError     a view reaches past its storage or outside its declared region
     ├── OverlapError    views that must not share bytes do
     ├── ConfigError     a policy or environment variable has a value safeview does not know
-    └── ArgumentError   an argument of the wrong kind (also a TypeError and a ValueError)
+    └── ArgumentError   an argument of the wrong kind or value (also a TypeError and a ValueError)
 
-Invalid layout fields are reported by pydantic's ``ValidationError`` (a ``ValueError``), which names
-the field, the value and the limit.
+``BoundsError`` and ``OverlapError`` are built from ``safeview.findings.Finding`` objects, never
+by deriving the facts again. Invalid fields given to a model's constructor (``BlockLayout``,
+``StridedLayout``, ``Region``, ``Plan``) are reported by pydantic's ``ValidationError`` (a
+``ValueError``), which names the field, the value and the limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from safeview.check import Violation
-    from safeview.overlap import Overlap
-    from safeview.spec import Layout, Region
+    from safeview.findings import Finding
 
 __all__ = ["ArgumentError", "BoundsError", "ConfigError", "OverlapError", "SafeViewError"]
 
@@ -47,65 +47,77 @@ class ConfigError(SafeViewError, ValueError):
 
 
 class ArgumentError(SafeViewError, TypeError, ValueError):
-    """An argument of the wrong kind: a target that is not a tensor or storage, a layout that is not
-    a safeview layout, group names that do not match the views."""
+    """An argument of the wrong kind or value: a target that is not a tensor or storage, a page
+    size that is not a positive integer, vLLM structures safeview does not know. The message names
+    the argument, the layer where there is one, and the value."""
+
+
+def _where(site: str | None, op: str | None) -> str:
+    if site is None and op is None:
+        return ""
+    parts = [f"by {op}" if op else "", f"at {site}" if site else ""]
+    return " (" + " ".join(part for part in parts if part) + ")"
 
 
 class BoundsError(SafeViewError):
-    """A view needs bytes outside its storage (``check == "storage"``) or outside the region it was
-    given (``check == "region"``).
+    """A view needs bytes outside its storage (``kind == "out_of_bounds"``, ``check ==
+    "storage"``) or outside its region (``kind == "out_of_region"``, ``check == "region"``).
 
-    Attributes: ``name``, ``check``, ``byte_offset`` (first byte), ``extent_bytes`` (exclusive end),
-    ``limit_bytes`` (storage size, or region end), ``overflow_bytes`` (how many bytes of its span
-    lie outside), ``storage_nbytes``, ``region``, ``device`` and ``layout``.
+    Attributes: ``finding`` (the ``Finding``), ``kind``, ``check``, ``name``, ``byte_offset``
+    (first byte), ``extent_bytes`` (exclusive end), ``limit_bytes`` (storage size, or region end),
+    ``overflow_bytes`` (bytes of its span outside), ``region``, ``storage_nbytes``, ``device``,
+    ``policy``, ``layout`` (the layout given to ``make_view``, else ``None``), and for views seen by
+    ``sanitize()`` the ``op`` (``aten::set_``) and the call ``site`` (``file:line in function``).
     """
 
     def __init__(
         self,
-        violation: Violation,
+        finding: Finding,
         *,
-        layout: Layout | None,
         storage_nbytes: int,
         device: str,
         policy: str,
+        layout: Any = None,
+        op: str | None = None,
+        site: str | None = None,
     ) -> None:
-        self.violation = violation
-        self.name = violation.name
-        self.check = violation.check
-        self.byte_offset = violation.byte_offset
-        self.extent_bytes = violation.extent_bytes
-        self.limit_bytes = violation.limit_bytes
-        self.overflow_bytes = violation.overflow_bytes
-        self.region: Region | None = violation.region
-        self.layout = layout
+        self.finding = finding
+        self.kind = finding.kind
+        self.check = finding.check
+        self.name = finding.views[0] if finding.views else None
+        self.byte_offset = finding.byte_offset
+        self.extent_bytes = finding.extent_bytes
+        self.limit_bytes = finding.limit_bytes
+        self.overflow_bytes = finding.overflow_bytes
+        self.region = finding.region
         self.storage_nbytes = storage_nbytes
         self.device = device
         self.policy = policy
-        super().__init__(f"{violation.message()} [device {device}, policy {policy}]")
+        self.layout = layout
+        self.op = op
+        self.site = site
+        super().__init__(
+            f"{finding.message}{_where(site, op)} [device {device}, policy {policy}]"
+        )
 
 
 class OverlapError(SafeViewError):
     """Views that must not share bytes do: two views of one group, or the pages of one view.
-    ``overlaps`` lists every offending pair, each with a byte both touch (a view whose own pages
-    overlap appears as a pair of itself); ``messages`` says each in words."""
 
-    def __init__(
-        self,
-        overlaps: Sequence[Overlap],
-        *,
-        messages: Sequence[str] | None = None,
-        policy: str | None = None,
-    ) -> None:
-        self.overlaps = tuple(overlaps)
-        self.messages = (
-            tuple(messages) if messages is not None else tuple(o.message() for o in self.overlaps)
-        )
+    ``findings`` holds every ``overlap`` and ``self_overlap`` finding, each with the views and a
+    byte they share; ``overlaps`` is the same tuple (its older name); ``messages`` says each in
+    words."""
+
+    def __init__(self, findings: Sequence[Finding], *, policy: str | None = None) -> None:
+        self.findings = tuple(findings)
+        self.overlaps = self.findings
+        self.messages = tuple(finding.message for finding in self.findings)
         self.policy = policy
         shown = list(self.messages[:10])
         if len(self.messages) > len(shown):
             shown.append(f"... and {len(self.messages) - len(shown)} more")
         where = f" [policy {policy}]" if policy is not None else ""
         super().__init__(
-            f"{len(self.overlaps)} overlap(s) between views that must not share bytes{where}:\n  "
+            f"{len(self.findings)} overlap(s) between views that must not share bytes{where}:\n  "
             + "\n  ".join(shown)
         )

@@ -1,34 +1,32 @@
-"""Whole-cache registration, shaped like the per-layer loop of vLLM's ``register_kv_caches``.
+"""Whole-cache registration from live tensors, engine-neutral.
 
-``block_views`` turns the engine's ``kv_caches`` (layer name -> tensor, or list of tensors) into
-checked ``(num_blocks, page_bytes)`` int8 views: every view is checked by ``make_view``'s rules
-(bounds, region; a view that breaks one goes through ``make_view`` itself, for its event and its
-error), and all views of one storage are checked against each other for shared bytes, scoped by
-their KV-cache groups. ``guard_registration`` checks the tensors a
-connector is handed, as they are, before its own ``register_kv_caches`` runs.
+``block_views`` turns an engine's ``kv_caches`` (layer name -> tensor, or list of tensors) and
+page sizes into checked ``(num_blocks, page_bytes)`` int8 views: the views are described as plain
+records, judged once by the checker (``safeview.check.check_views``: bounds, regions, each view
+against itself, every pair over one memory by KV-cache group), and then made, never copied, never
+resized. ``check_tensors`` judges the tensors as they are; ``guard_registration`` does that for a
+connector's ``register_kv_caches`` and runs the method under ``sanitize()``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import operator
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-import torch
-
-from safeview import log
-from safeview.check import bounds_violations
+from safeview import _torch, log
+from safeview.check import Report, StorageRecord, ViewRecord, check_views
 from safeview.errors import ArgumentError, BoundsError, OverlapError
-from safeview.overlap import Overlap
+from safeview.findings import Finding
 from safeview.plan import Plan
-from safeview.policy import Policy, current_policy
-from safeview.report import Finding, Report, ViewRecord, check_views
-from safeview.spec import BlockLayout, Positive, Region, Spec
-from safeview.view import event_fields, log_bounds_violations, make_view, strided_view
+from safeview.policy import Policy, PolicyArg, current_policy
+from safeview.spec import BlockLayout, Positive, Region, Spec, _index
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LayerSpec",
@@ -49,37 +47,52 @@ class LayerSpec(Spec):
     kind: Literal["attention", "mamba"] = "attention"
 
 
+def _count(value: object, what: str) -> int:
+    """A non-negative integer argument, or an ``ArgumentError`` naming it and the value."""
+    try:
+        number = _index(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ArgumentError(
+            f"{what} must be a non-negative integer; got {value!r} ({type(value).__name__})"
+        )
+    return number
+
+
 def _page_and_kind(layer: str, spec: object) -> tuple[int, str, BlockLayout | None]:
-    if type(spec) is int:
-        return spec, "attention", None
     if isinstance(spec, BlockLayout):
         return spec.page_bytes, "explicit", spec
     if isinstance(spec, LayerSpec):
         return spec.page_bytes, spec.kind, None
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        return spec, "attention", None
-    page = getattr(spec, "page_size_bytes", None)
-    if page is None or isinstance(page, bool):
+    kind = "attention"
+    page: object = spec
+    if hasattr(spec, "page_size_bytes"):
+        page = spec.page_size_bytes
+        # vLLM's MambaSpec carries the state tensors' shapes and dtypes; attention specs do not.
+        kind = "mamba" if hasattr(spec, "shapes") and hasattr(spec, "dtypes") else "attention"
+    elif not (isinstance(page, int) or hasattr(page, "__index__")) or isinstance(page, bool):
         raise ArgumentError(
             f"specs[{layer!r}] must be a page size in bytes, a safeview LayerSpec or BlockLayout, "
-            f"or a spec with page_size_bytes; got {type(spec).__name__}"
+            f"or a spec with page_size_bytes; got {spec!r} ({type(spec).__name__})"
         )
-    # vLLM's MambaSpec carries the state tensors' shapes and dtypes; attention specs do not.
-    kind = "mamba" if hasattr(spec, "shapes") and hasattr(spec, "dtypes") else "attention"
-    return operator.index(page), kind, None
+    number = _count(page, f"the page size of layer {layer!r}")
+    if number == 0:
+        raise ArgumentError(f"the page size of layer {layer!r} must be at least 1 byte; got 0")
+    return number, kind, None
 
 
 def _tensors(layer: str, value: object) -> list[torch.Tensor]:
-    if type(value) is torch.Tensor and value.layout is torch.strided:
-        return [value]
-    tensors = [value] if isinstance(value, torch.Tensor) else value
+    if _torch.is_strided_tensor(value):
+        return [value]  # type: ignore[list-item]
+    tensors = value
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ArgumentError(
-            f"kv_caches[{layer!r}] must be a tensor or a non-empty list of tensors; "
+            f"kv_caches[{layer!r}] must be a strided tensor or a non-empty list of them; "
             f"got {type(value).__name__}"
         )
     for index, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+        if not _torch.is_strided_tensor(tensor):
             raise ArgumentError(
                 f"kv_caches[{layer!r}][{index}] must be a strided torch.Tensor; "
                 f"got {type(tensor).__name__}"
@@ -87,45 +100,44 @@ def _tensors(layer: str, value: object) -> list[torch.Tensor]:
     return list(tensors)
 
 
-class _Storages:
-    """Names the distinct storages behind a set of tensors, in order of first appearance."""
+class Storages:
+    """The distinct storages behind a set of tensors, named ``storage0``, ``storage1``, ... in
+    order of first appearance, with the memory each lies in."""
 
     def __init__(self) -> None:
-        self.names: dict[int, str] = {}
-        self.storages: dict[str, torch.UntypedStorage] = {}
+        self._names: dict[int, str] = {}
+        self.objects: dict[str, torch.UntypedStorage] = {}
+        self.facts: dict[str, _torch.StorageFacts] = {}
 
-    def name(self, tensor: torch.Tensor) -> str:
-        storage = tensor.untyped_storage()
-        key = storage._cdata  # the StorageImpl: one per allocation, also on meta
-        name = self.names.get(key)
+    def name(self, storage: torch.UntypedStorage) -> str:
+        key = storage._cdata
+        name = self._names.get(key)
         if name is None:
-            name = self.names[key] = f"storage{len(self.names)}"
-            self.storages[name] = storage
+            name = self._names[key] = f"storage{len(self._names)}"
+            self.objects[name] = storage
+            self.facts[name] = _torch.storage_facts(storage)
         return name
 
-    def nbytes(self) -> dict[str, int]:
-        return {name: storage.nbytes() for name, storage in self.storages.items()}
-
-
-class _Planned(NamedTuple):
-    record: ViewRecord
-    layer: str
-    tensor: torch.Tensor
+    def records(self) -> dict[str, StorageRecord]:
+        return {
+            name: StorageRecord(facts.nbytes, facts.memory, facts.base)
+            for name, facts in self.facts.items()
+        }
 
 
 @dataclass(frozen=True)
 class Registration:
-    """What ``block_views`` made and found.
+    """What a checked registration made and found.
 
     ``tensors_per_block`` is what vLLM's offloading worker consumes: for each layer, its int8
-    ``(num_blocks, page_bytes)`` views. ``page_bytes`` is each layer's page size, ``report`` has a
-    row per view (extent, slack, storage, group) and every violation.
+    ``(num_blocks, page_bytes)`` views. ``page_bytes`` is each layer's page size; ``report`` has
+    every view (``report.views``, in plain numbers), every finding and the storages' sizes;
+    ``devices`` the device of each storage.
     """
 
     tensors_per_block: dict[str, tuple[torch.Tensor, ...]]
     page_bytes: dict[str, int]
     report: Report
-    records: tuple[ViewRecord, ...]
     devices: dict[str, str]
     policy: Policy
 
@@ -136,150 +148,36 @@ class Registration:
     def to_plan(self, path: str | Path | None = None, *, description: str | None = None) -> Plan:
         """This registration as a plan, written to ``path`` if given, to check and draw offline
         with ``safeview check``."""
-        plan = Plan.model_validate(
-            {
-                "description": description,
-                "storages": [
-                    {"name": name, "nbytes": nbytes, "device": self.devices[name]}
-                    for name, nbytes in self.report.storages.items()
-                ],
-                "views": [
-                    {
-                        "name": record.name,
-                        "storage": record.storage,
-                        "num_blocks": record.shape[0],
-                        "page_bytes": record.shape[1],
-                        "block_stride_bytes": record.strides[0],
-                        "byte_offset": record.byte_offset,
-                        "group": _plan_group(record.group),
-                        "region": record.region,
-                    }
-                    for record in self.records
-                ],
-            }
+        plan = Plan.from_views(
+            self.report.storages, self.report.views, devices=self.devices, description=description
         )
         if path is not None:
             plan.dump(path)
         return plan
 
 
-def _plan_group(group: Hashable | None) -> str | int | None:
-    """Plans name groups by ``str`` or ``int``; other group keys are written as text."""
-    if group is None or (isinstance(group, (str, int)) and not isinstance(group, bool)):
-        return group
-    return str(group)
+class _Planned:
+    """Views to make, as records, with the layer and tensor each comes from."""
+
+    def __init__(self) -> None:
+        self.storages = Storages()
+        self.records: list[ViewRecord] = []
+        self.layers: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def add(self, layer: str, tensor: torch.Tensor, record: ViewRecord) -> None:
+        self.records.append(record)
+        self.layers.append(layer)
+        self.tensors.append(tensor)
 
 
-def _plan_layer(
-    layer: str,
-    value: object,
-    spec: object,
-    *,
-    num_blocks: int,
-    packed: Collection[str],
-    group: Hashable | None,
-    region: Region | None,
-    storages: _Storages,
-) -> tuple[int, list[_Planned]]:
-    page, kind, explicit = _page_and_kind(layer, spec)
-    tensors = _tensors(layer, value)
-    first = tensors[0]
-    if explicit is not None:
-        record = ViewRecord(
-            layer,
-            storages.name(first),
-            explicit.byte_offset,
-            explicit.shape,
-            explicit.strides,
-            1,
-            group,
-            region,
-        )
-        return page, [_Planned(record, layer, first)]
-    if kind == "mamba":
-        # The state tensors of a block sit one after another in one padded page.
-        offset = int(first.storage_offset()) * first.element_size()
-        record = ViewRecord(
-            layer, storages.name(first), offset, (num_blocks, page), (page, 1), 1, group, region
-        )
-        return page, [_Planned(record, layer, first)]
-    if len(tensors) > 1 and page % len(tensors):
-        raise ArgumentError(
-            f"layer {layer!r}: its page of {page} bytes does not split evenly over its "
-            f"{len(tensors)} K/V tensors"
-        )
-    part = page // len(tensors)
-    is_packed = layer in packed
-    views = []
-    for index, tensor in enumerate(tensors):
-        size = tensor.element_size()
-        stride = tensor.stride(0) * size if is_packed and tensor.dim() else part
-        record = ViewRecord(
-            layer if len(tensors) == 1 else f"{layer}[{index}]",
-            storages.name(tensor),
-            int(tensor.storage_offset()) * size,
-            (num_blocks, part),
-            (stride, 1),
-            1,
-            group,
-            region,
-        )
-        views.append(_Planned(record, layer, tensor))
-    return page, views
-
-
-def _overlap_messages(report: Report) -> tuple[list[Overlap], list[str]]:
-    overlaps, messages = [], []
-    for finding in report.findings:
-        if finding.kind in ("overlap", "self_overlap"):
-            first, second = finding.views[0], finding.views[-1]
-            overlaps.append(
-                Overlap(first, second, finding.numbers["byte"], finding.numbers.get("group"))
-            )
-            messages.append(finding.message)
-    return overlaps, messages
-
-
-def _log_overlaps(report: Report, active: Policy) -> None:
-    level = logging.ERROR if active is Policy.STRICT else logging.WARNING
-    if not log.enabled(level):
-        return
-    for finding in report.findings:
-        if finding.kind in ("overlap", "self_overlap"):
-            log.emit(
-                level,
-                "overlap_violation",
-                {
-                    "kind": finding.kind,
-                    "views": list(finding.views),
-                    "storage": finding.storage,
-                    "byte": finding.numbers["byte"],
-                    "group": finding.numbers.get("group"),
-                    "policy": active.value,
-                    "message": finding.message,
-                },
-            )
-
-
-def _raise_or_log(report: Report, active: Policy) -> None:
-    """Log the shared bytes; under strict, raise ``OverlapError`` for them."""
-    if active is Policy.OFF:
-        return
-    _log_overlaps(report, active)
-    if active is not Policy.STRICT:
-        return
-    overlaps, messages = _overlap_messages(report)
-    if overlaps:
-        raise OverlapError(overlaps, messages=messages, policy=active.value)
-
-
-def _layout(record: ViewRecord) -> BlockLayout:
-    return BlockLayout(
-        num_blocks=record.shape[0],
-        page_bytes=record.shape[1],
-        block_stride_bytes=record.strides[0],
-        byte_offset=record.byte_offset,
-    )
+def _region(regions: Mapping[str, Region | Sequence[int]] | None, layer: str) -> Any:
+    if regions is None:
+        return None
+    value = regions.get(layer)
+    if value is None:
+        return None
+    return value.as_tuple() if isinstance(value, Region) else Region.coerce(value).as_tuple()
 
 
 def block_views(
@@ -290,16 +188,17 @@ def block_views(
     packed: Collection[str] = (),
     groups: Mapping[str, Hashable] | None = None,
     regions: Mapping[str, Region | Sequence[int]] | None = None,
-    policy: Policy | str | None = None,
+    policy: PolicyArg | None = None,
 ) -> Registration:
     """Checked int8 block views of every layer of ``kv_caches``; a drop-in for the per-layer loop
-    of vLLM's offloading worker.
+    of a KV-cache connector's ``register_kv_caches``.
 
     - ``specs[layer]``: the layer's page size in bytes, a ``LayerSpec``, an explicit
-      ``BlockLayout``, or vLLM's own spec object unchanged (anything with ``page_size_bytes``;
+      ``BlockLayout``, or an engine's spec object unchanged (anything with ``page_size_bytes``;
       Mamba-like specs, which carry ``shapes`` and ``dtypes``, are recognised).
     - A single tensor (attention): ``byte_offset = storage_offset * element_size``; the block
-      stride is ``stride(0) * element_size`` for layers in ``packed``, else the page.
+      stride is ``stride(0) * element_size`` for layers in ``packed``, else the page. (For vLLM,
+      ``safeview.vllm.check_registration`` applies vLLM's own rules instead.)
     - A list of attention tensors (split K/V): one view each, each with its share of the page.
     - A list of Mamba state tensors: one view of contiguous pages from the first state tensor.
     - ``groups[layer]``: the layer's KV-cache group; layers of different groups may share bytes,
@@ -307,188 +206,189 @@ def block_views(
 
     Under ``strict`` a broken bound raises ``BoundsError`` and shared bytes ``OverlapError``;
     under ``warn`` both are logged and the views are made; ``off`` checks nothing. One
-    ``registration_checked`` event (INFO) sums it up.
+    ``registration_checked`` event (INFO) sums it up. Arguments of the wrong kind or value (a
+    ``num_blocks`` of ``True`` or ``-1``, a page of 0 bytes) raise ``ArgumentError``.
     """
     active = current_policy(policy)
-    storages = _Storages()
-    plans: list[_Planned] = []
+    blocks = _count(num_blocks, "num_blocks")
+    planned = _Planned()
     page_bytes: dict[str, int] = {}
     for layer, value in kv_caches.items():
         if layer not in specs:
             raise ArgumentError(f"specs has no entry for layer {layer!r}")
-        region = regions.get(layer) if regions is not None else None
-        page_bytes[layer], planned = _plan_layer(
-            layer,
-            value,
-            specs[layer],
-            num_blocks=num_blocks,
-            packed=packed,
-            group=groups.get(layer) if groups is not None else None,
-            region=Region.coerce(region) if region is not None else None,
-            storages=storages,
-        )
-        plans.extend(planned)
-
-    records = [plan.record for plan in plans]
-    report = check_views(storages.nbytes(), records, checks=active is not Policy.OFF)
-    _summarise(report, records, active, layers=len(page_bytes))
-    if active is Policy.STRICT:
-        bounds = [f for f in report.findings if f.kind in ("out_of_bounds", "out_of_region")]
-        if bounds:
-            # make_view raises the BoundsError (and logs it) for the first view that breaks one.
-            plan = next(p for p in plans if p.record.name == bounds[0].views[0])
-            make_view(
-                plan.tensor,
-                _layout(plan.record),
-                name=plan.record.name,
-                policy=active,
-                region=plan.record.region,
+        page, kind, explicit = _page_and_kind(layer, specs[layer])
+        page_bytes[layer] = page
+        tensors = _tensors(layer, value)
+        group = groups.get(layer) if groups is not None else None
+        region = _region(regions, layer)
+        first = tensors[0]
+        storage = planned.storages.name(first.untyped_storage())
+        if explicit is not None:
+            planned.add(
+                layer,
+                first,
+                ViewRecord.block(
+                    layer,
+                    storage,
+                    num_blocks=explicit.num_blocks,
+                    page_bytes=explicit.page_bytes,
+                    block_stride_bytes=explicit.block_stride_bytes,
+                    byte_offset=explicit.byte_offset,
+                    group=group,
+                    region=region,
+                ),
             )
-    _raise_or_log(report, active)
+            continue
+        if kind == "mamba":
+            # The state tensors of a block sit one after another in one padded page.
+            offset = first.storage_offset() * first.element_size()
+            record = ViewRecord(layer, storage, offset, (blocks, page), (page, 1), 1, group, region)
+            planned.add(layer, first, record)
+            continue
+        if len(tensors) > 1 and page % len(tensors):
+            raise ArgumentError(
+                f"layer {layer!r}: its page of {page} bytes does not split evenly over its "
+                f"{len(tensors)} K/V tensors"
+            )
+        part = page // len(tensors)
+        is_packed = layer in packed
+        for index, tensor in enumerate(tensors):
+            if index:
+                storage = planned.storages.name(tensor.untyped_storage())
+            size = tensor.element_size()
+            stride = tensor.stride(0) * size if is_packed and tensor.dim() else part
+            name = layer if len(tensors) == 1 else f"{layer}[{index}]"
+            planned.add(
+                layer,
+                tensor,
+                ViewRecord(
+                    name,
+                    storage,
+                    tensor.storage_offset() * size,
+                    (blocks, part),
+                    (stride, 1),
+                    1,
+                    group,
+                    region,
+                ),
+            )
+    return register(planned, page_bytes, active, source="block_views")
 
-    flagged = {name for finding in report.findings for name in finding.views}
-    self_overlapping = {f.views[0] for f in report.findings if f.kind == "self_overlap"}
+
+def register(
+    planned: _Planned, page_bytes: dict[str, int], active: Policy, *, source: str
+) -> Registration:
+    """Judge the planned views once, report, and make them: the shared second half of
+    ``block_views`` and ``safeview.vllm.check_registration``."""
+    storages = planned.storages
+    report = check_views(storages.records(), planned.records, checks=active is not Policy.OFF)
+    _report(report, storages, active, layers=len(page_bytes), source=source)
+    int8 = _torch.dtype("int8")
+    bases = {
+        name: _torch.base_tensor(None, storage, int8) for name, storage in storages.objects.items()
+    }
+    past_end = {f.views[0] for f in report.findings if f.kind == "out_of_bounds"}
     views: dict[str, list[torch.Tensor]] = {layer: [] for layer in page_bytes}
-    debug = log.enabled(logging.DEBUG)
-    for plan in plans:
-        record = plan.record
-        storage = storages.storages[record.storage]
-        if record.name in flagged and record.name not in self_overlapping:
-            # make_view logs the broken bound and, where torch refuses, raises BoundsError.
-            view = make_view(
-                plan.tensor, _layout(record), name=record.name, policy=active, region=record.region
+    for layer, record in zip(planned.layers, planned.records):
+        try:
+            view = _torch.strided_view(
+                bases[record.storage], record.shape, record.strides, record.byte_offset
             )
-        else:
-            # Checked above by the same rules make_view applies (or the policy is off).
-            view = strided_view(
-                plan.tensor, storage, "int8", record.shape, record.strides, record.byte_offset
-            )
-            if debug:
-                described = {
-                    "byte_offset": record.byte_offset,
-                    "num_blocks": record.shape[0],
-                    "page_bytes": record.shape[1],
-                    "block_stride_bytes": record.strides[0],
-                }
-                log.emit(
-                    logging.DEBUG,
-                    "view_created",
-                    event_fields(
-                        record.name,
-                        active,
-                        described,
-                        record.extent_bytes,
-                        storage=storage,
-                        region=record.region,
-                    ),
-                )
-        views[plan.layer].append(view)
+        except RuntimeError as error:
+            if record.name not in past_end:
+                raise
+            [finding] = [f for f in report.findings if f.kind == "out_of_bounds" and
+                         f.views[0] == record.name]  # fmt: skip
+            raise _bounds_error(finding, storages, active) from error
+        views[layer].append(view)
     return Registration(
         {layer: tuple(tensors) for layer, tensors in views.items()},
         page_bytes,
         report,
-        tuple(records),
-        {name: str(storage.device) for name, storage in storages.storages.items()},
+        {name: facts.device for name, facts in storages.facts.items()},
         active,
     )
 
 
-def _summarise(
-    report: Report, records: Sequence[ViewRecord], active: Policy, *, layers: int
-) -> None:
-    if not log.enabled(logging.INFO):
-        return
-    slack = [row.slack_bytes for row in report.rows]
-    log.emit(
-        logging.INFO,
-        "registration_checked",
-        {
-            "policy": active.value,
-            "layers": layers,
-            "views": len(report.rows),
-            "storages": len(report.storages),
-            "storage_nbytes": sum(report.storages.values()),
-            "bytes_covered": sum(record.nbytes for record in records),
-            "min_slack_bytes": min(slack) if slack else None,
-            "overlaps": len(report.of_kind("overlap")) + len(report.of_kind("self_overlap")),
-            "violations": len(report.findings),
-            "checked": active is not Policy.OFF,
-        },
+def _bounds_error(finding: Finding, storages: Storages, active: Policy) -> BoundsError:
+    assert finding.storage is not None
+    facts = storages.facts[finding.storage]
+    return BoundsError(
+        finding, storage_nbytes=facts.nbytes, device=facts.device, policy=active.value
     )
+
+
+def _report(
+    report: Report, storages: Storages, active: Policy, *, layers: int, source: str
+) -> None:
+    """Log every finding, then the summary; under strict, raise for the findings."""
+    strict = active is Policy.STRICT
+    bounds = report.of_kind("out_of_bounds", "out_of_region")
+    overlaps = report.of_kind("self_overlap", "overlap")
+    if bounds and log.enabled(logging.WARNING):
+        views = {view.name: view for view in report.views}
+        for finding in bounds:
+            view = views[finding.views[0]]
+            facts = storages.facts[view.storage]
+            log.bounds_violation(
+                finding,
+                strict=strict,
+                policy=active.value,
+                device=facts.device,
+                storage_nbytes=facts.nbytes,
+                geometry=_record_geometry(view),
+                region=view.region,
+            )
+    for finding in overlaps:
+        log.overlap_violation(finding, strict=strict, policy=active.value)
+    log.registration_checked(report, policy=active.value, layers=layers, source=source)
+    if strict and bounds:
+        raise _bounds_error(bounds[0], storages, active)
+    if strict and overlaps:
+        raise OverlapError(overlaps, policy=active.value)
+
+
+def _record_geometry(view: ViewRecord) -> dict[str, Any]:
+    if view.is_block and view.dtype is None:
+        return log.block_geometry(view.byte_offset, view.shape[0], view.shape[1], view.strides[0])
+    dtype = view.dtype or f"{view.itemsize}-byte"
+    return log.strided_geometry(view.byte_offset, dtype, view.shape, view.strides)
 
 
 def check_tensors(
     kv_caches: KvCaches,
     *,
     groups: Mapping[str, Hashable] | None = None,
-    policy: Policy | str | None = None,
+    policy: PolicyArg | None = None,
 ) -> Report:
     """Check the tensors of ``kv_caches`` as they are: each inside its storage and not touching
     an element twice, and none sharing a byte with another of its group (layers without a group
-    share with none). Under strict, raises ``BoundsError`` or ``OverlapError``; under warn, logs.
+    share with none), across storage objects over the same memory too. Under strict, raises
+    ``BoundsError`` or ``OverlapError``; under warn, logs.
     """
     active = current_policy(policy)
-    storages = _Storages()
+    storages = Storages()
     records = []
-    dtypes: dict[str, torch.dtype] = {}
     for layer, value in kv_caches.items():
         tensors = _tensors(layer, value)
         for index, tensor in enumerate(tensors):
-            size = tensor.element_size()
-            name = layer if len(tensors) == 1 else f"{layer}[{index}]"
-            dtypes[name] = tensor.dtype
+            byte_offset, shape, strides, itemsize = _torch.geometry(tensor)
             records.append(
                 ViewRecord(
-                    name,
-                    storages.name(tensor),
-                    int(tensor.storage_offset()) * size,
-                    tuple(tensor.shape),
-                    tuple(tensor.stride()),
-                    size,
+                    layer if len(tensors) == 1 else f"{layer}[{index}]",
+                    storages.name(tensor.untyped_storage()),
+                    byte_offset,
+                    shape,
+                    strides,
+                    itemsize,
                     groups.get(layer) if groups is not None else None,
+                    None,
+                    _torch.dtype_name(tensor.dtype),
                 )
             )
-    report = check_views(storages.nbytes(), records, checks=active is not Policy.OFF)
-    if active is Policy.OFF:
-        return report
-    strict = active is Policy.STRICT
-    level = logging.ERROR if strict else logging.WARNING
-    first_error: BoundsError | None = None
-    for finding in report.of_kind("out_of_bounds"):
-        record = next(r for r in records if r.name == finding.views[0])
-        storage = storages.storages[record.storage]
-        [violation] = bounds_violations(
-            name=record.name,
-            byte_offset=record.byte_offset,
-            extent_bytes=record.extent_bytes,
-            storage_nbytes=storage.nbytes(),
-        )
-        described = {
-            "byte_offset": record.byte_offset,
-            "dtype": str(dtypes[record.name]).removeprefix("torch."),
-            "shape": list(record.shape),
-            "strides": list(record.strides),
-        }
-        log_bounds_violations(
-            [violation],
-            level=level,
-            name=record.name,
-            policy=active,
-            described=described,
-            extent_bytes=record.extent_bytes,
-            storage=storage,
-        )
-        if first_error is None:
-            first_error = BoundsError(
-                violation,
-                layout=None,
-                storage_nbytes=storage.nbytes(),
-                device=str(storage.device),
-                policy=active.value,
-            )
-    if strict and first_error is not None:
-        raise first_error
-    _raise_or_log(report, active)
+    report = check_views(storages.records(), records, checks=active is not Policy.OFF)
+    if active is not Policy.OFF:
+        _report(report, storages, active, layers=len(kv_caches), source="check_tensors")
     return report
 
 
@@ -498,20 +398,21 @@ GroupsArg = Mapping[str, Hashable] | Callable[[Any], Mapping[str, Hashable] | No
 
 @overload
 def guard_registration(
-    method: F, *, groups: GroupsArg = None, policy: Policy | str | None = None
+    method: F, *, groups: GroupsArg = None, policy: PolicyArg | None = None
 ) -> F: ...
 @overload
 def guard_registration(
-    method: None = None, *, groups: GroupsArg = None, policy: Policy | str | None = None
+    method: None = None, *, groups: GroupsArg = None, policy: PolicyArg | None = None
 ) -> Callable[[F], F]: ...
 def guard_registration(
     method: F | None = None,
     *,
     groups: GroupsArg = None,
-    policy: Policy | str | None = None,
+    policy: PolicyArg | None = None,
 ) -> F | Callable[[F], F]:
-    """Decorate a connector's ``register_kv_caches(self, kv_caches, ...)`` so that the incoming
-    tensors are checked with ``check_tensors`` before it runs::
+    """Decorate a connector's ``register_kv_caches(self, kv_caches, ...)``: the incoming tensors
+    are checked with ``check_tensors`` before it runs, and the method runs under ``sanitize()``,
+    so every view it makes is checked before it is made::
 
         class MyConnector:
             @guard_registration(groups=lambda self: self.layer_groups)
@@ -520,13 +421,15 @@ def guard_registration(
     ``groups`` is a mapping, or a function of the connector that returns one (the KV-cache
     config is usually known only once the connector exists).
     """
+    from safeview.sanitize import sanitize
 
     def decorate(function: F) -> F:
         @functools.wraps(function)
         def wrapper(self: Any, kv_caches: KvCaches, *args: Any, **kwargs: Any) -> Any:
             resolved = groups(self) if callable(groups) else groups
             check_tensors(kv_caches, groups=resolved, policy=policy)
-            return function(self, kv_caches, *args, **kwargs)
+            with sanitize(policy=policy):
+                return function(self, kv_caches, *args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
 

@@ -1,10 +1,13 @@
-"""Structured events through the stdlib logger ``safeview``.
+"""Structured events through the stdlib logger ``safeview``: one builder per row of the README's
+event table, and nothing else in the package builds an event.
 
-safeview never configures logging on import: its events go to ``logging.getLogger("safeview")``
-and reach whatever handlers the application (or vLLM) set up, as a ``key=value`` message with the
-event's fields attached to the record as ``record.safeview_event``. ``configure_logging`` (or the
-environment variable ``SAFEVIEW_LOG_FORMAT``) puts a handler on that one logger that writes each
-event as a JSON line or a console line. Events are built only when their level is enabled.
+safeview never configures logging on import: the ``safeview`` logger has a ``NullHandler`` (the
+stdlib rule for libraries) and its events reach whatever handlers the application set up, as a
+``key=value`` message with the event's fields on the record as ``record.safeview_event`` and the
+record's file and line those of the caller outside safeview. ``configure_logging`` (or the
+environment variable ``SAFEVIEW_LOG_FORMAT``) writes each event as a JSON or console line, or
+hands the events to a host's handlers. An event is built only when its level is enabled, and a
+handler that fails never changes what safeview returns or raises.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 import structlog
 
 from safeview.errors import ConfigError
+
+if TYPE_CHECKING:
+    from safeview.check import Report
+    from safeview.findings import Finding
 
 __all__ = [
     "ENV_LOG_FORMAT",
@@ -36,23 +43,12 @@ FORMATS = ("json", "console")
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 stdlib_logger = logging.getLogger(LOGGER_NAME)
+stdlib_logger.addHandler(logging.NullHandler())
 _key_values = structlog.processors.KeyValueRenderer(key_order=["event"])
-
-
-def _to_stdlib(
-    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
-) -> tuple[tuple[str], dict[str, Any]]:
-    """Last processor: a readable message for plain stdlib handlers, the fields for ours."""
-    fields = dict(event_dict)
-    return (_key_values(None, _method, dict(fields)),), {"extra": {"safeview_event": fields}}
-
-
-_logger: structlog.stdlib.BoundLogger = structlog.wrap_logger(
-    stdlib_logger,
-    processors=[_to_stdlib],
-    wrapper_class=structlog.stdlib.BoundLogger,
-    cache_logger_on_first_use=True,
-)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# Frames skipped to find the caller a record points at: safeview's own, and torch's dispatcher
+# for the events the sanitizer emits from inside an op.
+_SKIPPED = (_PACKAGE + os.sep, os.sep + "torch" + os.sep)
 
 
 def enabled(level: int) -> bool:
@@ -60,9 +56,238 @@ def enabled(level: int) -> bool:
     return stdlib_logger.isEnabledFor(level)
 
 
-def emit(level: int, event: str, fields: dict[str, Any]) -> None:
-    """Send one event. Callers check ``enabled(level)`` first."""
-    _logger.log(level, event, **fields)
+def _caller() -> tuple[str, int, str]:
+    """File, line and function of the first frame outside safeview and torch."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and any(part in frame.f_code.co_filename for part in _SKIPPED):
+        frame = frame.f_back
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def _emit(level: int, fields: dict[str, Any]) -> None:
+    """Send one event, as a record located at the caller outside safeview. Never raises:
+    logging must not change safeview's outcome."""
+    try:
+        path, line, function = _caller()
+        record = stdlib_logger.makeRecord(
+            LOGGER_NAME,
+            level,
+            path,
+            line,
+            _key_values(None, "", dict(fields)),
+            (),
+            None,
+            function,
+            {"safeview_event": fields},
+        )
+        stdlib_logger.handle(record)
+    except Exception:  # a failing handler, filter or formatter of the host's
+        pass
+
+
+def _levels(strict: bool) -> int:
+    return logging.ERROR if strict else logging.WARNING
+
+
+# -- one builder per row of the event table ----------------------------------------------------
+
+
+def view_created(
+    *,
+    name: str | None,
+    policy: str,
+    device: str,
+    storage_nbytes: int,
+    geometry: dict[str, Any],
+    extent_bytes: int,
+    region: tuple[int, int] | None,
+) -> None:
+    """``view_created`` (DEBUG): a checked view was made."""
+    if not stdlib_logger.isEnabledFor(logging.DEBUG):
+        return
+    _emit(
+        logging.DEBUG,
+        _view_fields("view_created", name, policy, device, storage_nbytes, geometry, extent_bytes,
+                     region),
+    )  # fmt: skip
+
+
+def bounds_violation(
+    finding: Finding,
+    *,
+    strict: bool,
+    policy: str,
+    device: str,
+    storage_nbytes: int,
+    geometry: dict[str, Any],
+    region: tuple[int, int] | None = None,
+    site: dict[str, Any] | None = None,
+) -> None:
+    """``bounds_violation`` (ERROR under strict, WARNING under warn): the keys of
+    ``view_created`` (``region``: the view's own, when it has one) for the broken limit, plus ``kind``, ``check``, ``overflow_bytes`` and
+    ``message``; ``op``, ``file``, ``line`` and ``function`` for a view seen by ``sanitize()``."""
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    assert finding.extent_bytes is not None and finding.limit_bytes is not None
+    name = finding.views[0] if finding.views else None
+    fields = _view_fields(
+        "bounds_violation",
+        name,
+        policy,
+        device,
+        storage_nbytes,
+        geometry,
+        finding.extent_bytes,
+        region,
+    )
+    fields["limit_bytes"] = finding.limit_bytes
+    fields["slack_bytes"] = finding.limit_bytes - finding.extent_bytes
+    fields["kind"] = finding.kind
+    fields["check"] = finding.check
+    fields["overflow_bytes"] = finding.overflow_bytes
+    fields["message"] = finding.message
+    if site is not None:
+        fields.update(site)
+    _emit(level, fields)
+
+
+def overlap_violation(finding: Finding, *, strict: bool, policy: str) -> None:
+    """``overlap_violation`` (ERROR under strict, WARNING under warn): an ``overlap`` or
+    ``self_overlap`` finding."""
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    _emit(
+        level,
+        {
+            "event": "overlap_violation",
+            "kind": finding.kind,
+            "views": list(finding.views),
+            "storage": finding.storage,
+            "byte": finding.byte,
+            "group": finding.group,
+            "policy": policy,
+            "message": finding.message,
+        },
+    )
+
+
+def registration_checked(report: Report, *, policy: str, layers: int, source: str) -> None:
+    """``registration_checked`` (INFO): the summary of one whole registration, after its
+    violations."""
+    if not stdlib_logger.isEnabledFor(logging.INFO):
+        return
+    overlaps = sum(1 for f in report.findings if f.kind in ("overlap", "self_overlap"))
+    _emit(
+        logging.INFO,
+        {
+            "event": "registration_checked",
+            "source": source,
+            "policy": policy,
+            "layers": layers,
+            "views": len(report.views),
+            "storages": len(report.storages),
+            "storage_nbytes": sum(report.storages.values()),
+            "bytes_covered": sum(view.nbytes for view in report.views),
+            "min_slack_bytes": report.min_slack_bytes(),
+            "overlaps": overlaps,
+            "violations": len(report.findings),
+            "checked": policy != "off",
+        },
+    )
+
+
+def integration(
+    event: Literal["integration_installed", "integration_unavailable"],
+    *,
+    integration: str,
+    reason: str,
+    version: str | None,
+) -> None:
+    """``integration_installed`` (INFO) and ``integration_unavailable`` (WARNING): what an engine
+    integration (the vLLM plugin) did at start-up, and why."""
+    level = logging.INFO if event == "integration_installed" else logging.WARNING
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    _emit(
+        level,
+        {
+            "event": event,
+            "integration": integration,
+            "version": version,
+            "reason": reason,
+        },
+    )
+
+
+def internal_error(*, where: str, error: BaseException) -> None:
+    """``internal_error`` (WARNING): safeview itself failed where it must not stop its host (the
+    sanitizer, a plugin); the host's operation went on unchecked."""
+    if not stdlib_logger.isEnabledFor(logging.WARNING):
+        return
+    _emit(
+        logging.WARNING,
+        {
+            "event": "internal_error",
+            "where": where,
+            "error": f"{type(error).__name__}: {error}",
+        },
+    )
+
+
+def _view_fields(
+    event: str,
+    name: str | None,
+    policy: str,
+    device: str,
+    storage_nbytes: int,
+    geometry: dict[str, Any],
+    extent_bytes: int,
+    region: tuple[int, int] | None,
+) -> dict[str, Any]:
+    limit = storage_nbytes if region is None else min(storage_nbytes, region[1])
+    fields: dict[str, Any] = {
+        "event": event,
+        "name": name,
+        "policy": policy,
+        "device": device,
+        "storage_nbytes": storage_nbytes,
+        **geometry,
+        "extent_bytes": extent_bytes,
+        "limit_bytes": limit,
+        "slack_bytes": limit - extent_bytes,
+    }
+    if region is not None:
+        fields["region"] = list(region)
+    return fields
+
+
+def block_geometry(
+    byte_offset: int, num_blocks: int, page_bytes: int, block_stride_bytes: int
+) -> dict[str, Any]:
+    """The layout keys of a block view's events."""
+    return {
+        "byte_offset": byte_offset,
+        "num_blocks": num_blocks,
+        "page_bytes": page_bytes,
+        "block_stride_bytes": block_stride_bytes,
+    }
+
+
+def strided_geometry(
+    byte_offset: int, dtype: str, shape: Sequence[int], strides: Sequence[int]
+) -> dict[str, Any]:
+    """The layout keys of a typed view's events."""
+    return {
+        "byte_offset": byte_offset,
+        "dtype": dtype,
+        "shape": list(shape),
+        "strides": list(strides),
+    }
+
+
+# -- where the events go ---------------------------------------------------------------------
 
 
 def _timestamp(created: float) -> str:
@@ -104,7 +329,21 @@ class EventFormatter(logging.Formatter):
         return rendered
 
 
-_installed: logging.Handler | None = None
+class ForwardHandler(logging.Handler):
+    """Hands each record to another logger (``logging.getLogger(name).handle``), so that it goes
+    wherever that logger's records go, with its handlers and formatting as they are at the time
+    of the event: the way into a host application's log that configures itself late (vLLM sets
+    up its ``vllm`` logger, with ``propagate=False``, when its engine and workers start)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.target = name
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(self.target).handle(record)
+
+
+_installed: list[logging.Handler] = []
 
 
 def _level(value: str | int, source: str) -> int:
@@ -119,37 +358,48 @@ def configure_logging(
     format: Literal["json", "console"] = "json",
     level: str | int = "INFO",
     stream: IO[str] | None = None,
-) -> logging.Handler:
-    """Write safeview's events to ``stream`` (standard error by default), one per line.
+    *,
+    handlers: Sequence[logging.Handler] | None = None,
+    forward_to: str | None = None,
+) -> list[logging.Handler]:
+    """Send safeview's events somewhere, one per line: to ``stream`` (standard error by default)
+    in ``format``, to the given ``handlers`` as they are, or into the log of a host logger,
+    formatted as that logger's own records are::
 
-    For applications and the command line; a library that uses safeview should leave this to its
-    application. Replaces a handler installed by an earlier call, sets the ``safeview`` logger's
-    level and stops its events from also reaching the root logger's handlers (no doubled lines).
-    Returns the handler.
+        configure_logging(forward_to="vllm", level="INFO")   # what the vLLM plugin does
+
+    For applications, plugins and the command line; a library that uses safeview should leave
+    this to its application. Replaces what an earlier call installed, sets the ``safeview``
+    logger's level and stops its events from also reaching the root logger's handlers (no
+    doubled lines). Returns the handlers installed.
 
     >>> import io; out = io.StringIO()
     >>> _ = configure_logging("json", level="DEBUG", stream=out)
     """
-    global _installed
-    formatter = EventFormatter(format)
     resolved = _level(level, "level")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(formatter)
-    if _installed is not None:
-        stdlib_logger.removeHandler(_installed)
-    stdlib_logger.addHandler(handler)
+    if forward_to is not None:
+        chosen: list[logging.Handler] = [ForwardHandler(forward_to)]
+    elif handlers is None:
+        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+        handler.setFormatter(EventFormatter(format))
+        chosen = [handler]
+    else:
+        chosen = list(handlers)
+    for old in _installed:
+        stdlib_logger.removeHandler(old)
+    for new in chosen:
+        stdlib_logger.addHandler(new)
     stdlib_logger.setLevel(resolved)
     stdlib_logger.propagate = False
-    _installed = handler
-    return handler
+    _installed[:] = chosen
+    return list(chosen)
 
 
 def reset_logging() -> None:
-    """Undo ``configure_logging``: remove its handler, reset the level, propagate again."""
-    global _installed
-    if _installed is not None:
-        stdlib_logger.removeHandler(_installed)
-        _installed = None
+    """Undo ``configure_logging``: remove what it installed, reset the level, propagate again."""
+    for old in _installed:
+        stdlib_logger.removeHandler(old)
+    _installed.clear()
     stdlib_logger.setLevel(logging.NOTSET)
     stdlib_logger.propagate = True
 

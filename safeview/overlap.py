@@ -1,63 +1,34 @@
-"""Exact aliasing checks between views of one storage. Plain integers, no torch.
+"""Exact aliasing between views of one memory: the sweeps. Plain integers, no torch.
 
 Two views overlap when they share at least one byte. Spans are not enough: the interleaved pages
-of a packed block layout span almost the whole storage each and share nothing. ``find_overlaps``
-splits every view into runs of equally spaced blocks and answers exactly:
+of a packed block layout span almost the whole storage each and share nothing. Every view is split
+into runs of equally spaced blocks (``_arith.Blocks``), and:
 
-- views with one block stride (a packed group) are rectangles in (block index, byte within the
+- runs of one block stride (a packed group) are rectangles in (block index, byte within the
   block) coordinates, found by one sweep over the byte within the block, in O(L log L);
-- contiguous views, and views of different strides, meet through a sweep over their spans, and
-  only pairs whose spans intersect get the exact arithmetic test (``_arith.shared_byte``).
+- contiguous runs, and runs of different strides, meet through a sweep over their spans, and only
+  pairs whose spans intersect get the exact arithmetic test (``_arith.shared_byte``). That sweep
+  is near-linear when spans of different strides seldom intersect, and quadratic in the worst
+  case (many views of different strides interleaved over the same bytes).
+
+``overlapping_pairs`` is what the checker (``safeview.check``) calls; ``find_overlaps`` is the
+same on layouts, returning ``overlap`` findings.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import gc
 import heapq
-import threading
 from collections import defaultdict
-from collections.abc import Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Protocol
 
 from safeview import _arith
 from safeview._arith import Blocks
 from safeview.errors import ArgumentError
-from safeview.spec import BlockLayout, Layout
+from safeview.findings import Finding
 
-__all__ = ["Overlap", "find_overlaps", "overlaps_among", "pieces_of"]
-
-
-@dataclass(frozen=True, slots=True)
-class Overlap:
-    """Views ``first`` and ``second`` (in the order they were given) both touch byte ``byte``.
-    ``group`` is their aliasing group, ``None`` when no groups were given."""
-
-    first: str
-    second: str
-    byte: int
-    group: Hashable | None = None
-
-    def message(self) -> str:
-        group = f" (group {self.group!r})" if self.group is not None else ""
-        return f"views {self.first!r} and {self.second!r}{group} both use byte {self.byte}"
-
-
-def pieces_of(layout: Layout) -> list[Blocks]:
-    """The bytes a layout touches, as runs of equally spaced blocks."""
-    if isinstance(layout, BlockLayout):  # already one run of blocks
-        if not layout.num_blocks:
-            return []
-        return [
-            Blocks(
-                layout.byte_offset,
-                layout.num_blocks,
-                layout.block_stride_bytes,
-                layout.page_bytes,
-            )
-        ]
-    return _arith.blocks(layout.byte_offset, layout.shape, layout.strides, layout.itemsize)
+__all__ = ["find_overlaps", "overlapping_pairs", "packed_disjoint"]
 
 
 def _normalised(piece: Blocks) -> Blocks:
@@ -66,31 +37,6 @@ def _normalised(piece: Blocks) -> Blocks:
         run = piece.run * piece.number
         return Blocks(piece.offset, 1, run, run)
     return piece
-
-
-_gc_lock = threading.Lock()
-_gc_depth = 0
-_gc_restore = False
-
-
-@contextlib.contextmanager
-def _without_cyclic_gc() -> Iterator[None]:
-    """The sweeps allocate many small, cycle-free tuples; each allocation burst would make the
-    cyclic collector rescan the caller's whole heap (millions of objects in an inference server),
-    turning a linear sweep quadratic. Pause it, and restore it as found, also across threads."""
-    global _gc_depth, _gc_restore
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_restore = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0 and _gc_restore:
-                gc.enable()
 
 
 # A rectangle in (block index, byte within the block) coordinates of one block stride:
@@ -202,64 +148,107 @@ def _overlaps_in_group(pieces: list[tuple[Blocks, int]]) -> dict[tuple[int, int]
     return found
 
 
-def find_overlaps(
-    layouts: Mapping[str, Layout], *, groups: Mapping[str, Hashable | None] | None = None
-) -> list[Overlap]:
-    """Every pair of views that share at least one byte, each with one shared byte.
-
-    ``layouts`` maps view names to layouts over one storage. ``groups`` maps view names to their
-    aliasing groups: views of two different groups may share bytes (in vLLM's hybrid allocator a
-    block id belongs to one KV-cache group at a time) and are not reported. A view without a group
-    (absent from ``groups``, or mapped to ``None``) may share a byte with no other view, and
-    without ``groups`` no two views may. The result is ordered by the positions of the two views
-    in ``layouts``; each witness is the lowest shared byte found for that pair.
-
-    >>> from safeview import packed_layouts
-    >>> find_overlaps(packed_layouts({"k": 64, "v": 64}, num_blocks=100))
-    []
+def packed_disjoint(
+    offsets: Sequence[int], numbers: Sequence[int], strides: Sequence[int], runs: Sequence[int]
+) -> bool:
+    """A quick, exact test for the common case, on columns of integers (no object per view):
+    ``True`` when the runs ``(offsets[i], numbers[i], strides[i], runs[i])`` all have one block
+    stride and one number of blocks, start in the same block, do not spill over into the next
+    block period, and their ranges within the block are disjoint (a packed group laid out
+    correctly). ``False`` means only that the full sweep must decide.
     """
-    with _without_cyclic_gc():
-        named = {}
-        for name, layout in layouts.items():
-            try:
-                named[name] = pieces_of(layout)
-            except ValueError as error:
-                raise ArgumentError(f"view {name!r}: {error}") from None
-        return overlaps_among(named, groups=groups)
+    stride, number = strides[0], numbers[0]
+    if stride <= 0 or any(s != stride for s in strides) or any(n != number for n in numbers):
+        return False
+    first_block = offsets[0] // stride
+    residues = [offset - first_block * stride for offset in offsets]
+    ends = [residue + run for residue, run in zip(residues, runs)]
+    if min(residues) < 0 or max(ends) > stride:
+        return False
+    reach = 0
+    for position in sorted(range(len(residues)), key=residues.__getitem__):
+        if residues[position] < reach:
+            return False
+        reach = ends[position]
+    return True
 
 
-def overlaps_among(
-    pieces: Mapping[str, Sequence[Blocks]], *, groups: Mapping[str, Hashable | None] | None = None
-) -> list[Overlap]:
-    """``find_overlaps`` on views already split into ``Blocks`` (see ``pieces_of``)."""
-    with _without_cyclic_gc():
-        return _overlaps_among(pieces, groups)
+def overlapping_pairs(
+    pieces: Sequence[Sequence[Blocks]], group_of: Sequence[Hashable | None]
+) -> list[tuple[tuple[int, int], int]]:
+    """Every pair ``(a, b)``, ``a < b``, of views that share a byte and may not, with the lowest
+    shared byte found, sorted by ``(a, b)``.
 
-
-def _overlaps_among(
-    pieces: Mapping[str, Sequence[Blocks]], groups: Mapping[str, Hashable | None] | None
-) -> list[Overlap]:
-    names = list(pieces)
-    group_of = [None if groups is None else groups.get(name) for name in names]
+    ``pieces[i]`` are the runs of view ``i`` (in one address space); ``group_of[i]`` its group.
+    Views of two different groups may share bytes; a view without a group (``None``) may share
+    with none.
+    """
     found: dict[tuple[int, int], int] = {}
     if any(group is None for group in group_of) or len(set(group_of)) == 1:
         # One sweep over everything, keeping the pairs that may not share.
         every = [
             (_normalised(piece), index)
-            for index, name in enumerate(names)
-            for piece in pieces[name]
+            for index, view_pieces in enumerate(pieces)
+            for piece in view_pieces
         ]
         for (a, b), byte in _overlaps_in_group(every).items():
             if group_of[a] is None or group_of[b] is None or group_of[a] == group_of[b]:
                 found[(a, b)] = byte
     else:
         members: dict[Hashable, list[tuple[Blocks, int]]] = defaultdict(list)
-        for index, name in enumerate(names):
-            members[group_of[index]].extend((_normalised(p), index) for p in pieces[name])
+        for index, view_pieces in enumerate(pieces):
+            members[group_of[index]].extend((_normalised(p), index) for p in view_pieces)
         for member_pieces in members.values():
             found.update(_overlaps_in_group(member_pieces))
-    shared = group_of if groups is not None else [None] * len(names)
+    return sorted(found.items())
+
+
+class _LayoutLike(Protocol):
+    @property
+    def byte_offset(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def strides(self) -> tuple[int, ...]: ...
+    @property
+    def itemsize(self) -> int: ...
+
+
+def find_overlaps(
+    layouts: Mapping[str, _LayoutLike], *, groups: Mapping[str, Hashable | None] | None = None
+) -> list[Finding]:
+    """Every pair of views that share at least one byte, as ``overlap`` findings, each with the
+    lowest shared byte (``finding.byte``).
+
+    ``layouts`` maps view names to layouts (``BlockLayout``, ``StridedLayout``) over one storage.
+    ``groups`` maps view names to their aliasing groups: views of two different groups may share
+    bytes (in vLLM's hybrid allocator a block id belongs to one KV-cache group at a time) and are
+    not reported. A view without a group (absent from ``groups``, or mapped to ``None``) may share
+    a byte with no other view, and without ``groups`` no two views may. The result is ordered by
+    the positions of the two views in ``layouts``.
+
+    >>> from safeview import packed_layouts
+    >>> find_overlaps(packed_layouts({"k": 64, "v": 64}, num_blocks=100))
+    []
+    """
+    names = list(layouts)
+    pieces = []
+    for name in names:
+        layout = layouts[name]
+        try:
+            pieces.append(
+                _arith.blocks(layout.byte_offset, layout.shape, layout.strides, layout.itemsize)
+            )
+        except ValueError as error:
+            raise ArgumentError(f"view {name!r}: {error}") from None
+    group_of = [None if groups is None else groups.get(name) for name in names]
     return [
-        Overlap(names[a], names[b], byte, shared[a] if shared[a] == shared[b] else None)
-        for (a, b), byte in sorted(found.items())
+        Finding.overlap(
+            names[a],
+            names[b],
+            storage=None,
+            byte=byte,
+            group=group_of[a] if group_of[a] == group_of[b] else None,
+        )
+        for (a, b), byte in overlapping_pairs(pieces, group_of)
     ]

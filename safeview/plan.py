@@ -2,20 +2,22 @@
 
 A plan names its storages (``name``, ``nbytes``) and its block views (``name``, ``storage``,
 ``num_blocks``, ``page_bytes``, ``block_stride_bytes``, ``byte_offset``, optional ``group`` and
-``region``). ``safeview check PLAN.json`` validates it with ``Plan`` and judges it with
-``report.check_views``; ``safeview.kv.Registration.to_plan()`` writes one from a live server.
+``region``). ``safeview check PLAN.json`` validates it with ``Plan`` and judges it with the one checker
+(``safeview.check.check_views``); ``Registration.to_plan()`` and ``sanitize().to_plan()`` write one
+from a live process.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field, model_validator
 
-from safeview.report import Report, ViewRecord, check_views
+from safeview.check import Report, ViewRecord, check_views
 from safeview.spec import Count, Positive, Region, Spec, field_error
 
 if TYPE_CHECKING:
@@ -56,7 +58,7 @@ class PlanView(Spec):
             block_stride_bytes=self.block_stride_bytes,
             byte_offset=self.byte_offset,
             group=self.group,
-            region=self.region,
+            region=self.region.as_tuple() if self.region is not None else None,
         )
 
 
@@ -109,8 +111,41 @@ class Plan(Spec):
                 )
         return self
 
+    @classmethod
+    def from_views(
+        cls,
+        storages: Mapping[str, int],
+        views: Iterable[ViewRecord],
+        *,
+        devices: Mapping[str, str] | None = None,
+        description: str | None = None,
+    ) -> Plan:
+        """A plan of block views (``ViewRecord.is_block``) over ``storages`` (name -> bytes)."""
+        return cls.model_validate(
+            {
+                "description": description,
+                "storages": [
+                    {"name": name, "nbytes": nbytes, "device": (devices or {}).get(name)}
+                    for name, nbytes in storages.items()
+                ],
+                "views": [
+                    {
+                        "name": view.name,
+                        "storage": view.storage,
+                        "num_blocks": view.shape[0],
+                        "page_bytes": view.shape[1],
+                        "block_stride_bytes": view.strides[0],
+                        "byte_offset": view.byte_offset,
+                        "group": _plan_group(view.group),
+                        "region": view.region,
+                    }
+                    for view in views
+                ],
+            }
+        )
+
     def check(self) -> Report:
-        """Every view and every pair, judged by ``report.check_views``."""
+        """Every view and every pair, judged by ``safeview.check.check_views``."""
         return check_views(
             {storage.name: storage.nbytes for storage in self.storages},
             [view.record() for view in self.views],
@@ -125,3 +160,10 @@ class Plan(Spec):
         """Write the plan as indented JSON."""
         data = self.model_dump(mode="json", exclude_none=True)
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _plan_group(group: Hashable | None) -> str | int | None:
+    """Plans name groups by ``str`` or ``int``; other group keys are written as text."""
+    if group is None or (isinstance(group, (str, int)) and not isinstance(group, bool)):
+        return group
+    return str(group)

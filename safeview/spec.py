@@ -39,6 +39,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 from typing_extensions import Self
 
 from safeview import _arith
+from safeview.check import self_overlap
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +75,8 @@ def _index(value: Any) -> int:
     """An integer scalar of any library (numpy, torch, anything with ``__index__``) as ``int``;
     ``bool`` in any of its forms, ``float``, ``str`` and the rest are refused."""
     if isinstance(value, (bool, float, str, bytes)) or value is None:
+        raise ValueError("not an integer")
+    if getattr(value, "ndim", 0) != 0:  # a one-element tensor or array is not a scalar
         raise ValueError("not an integer")
     dtype = getattr(value, "dtype", None)
     if dtype is not None and str(dtype) in ("bool", "torch.bool"):
@@ -218,19 +221,17 @@ class BlockLayout(Spec):
         fields = self.__dict__
         num_blocks, page_bytes = fields["num_blocks"], fields["page_bytes"]
         block_stride_bytes, byte_offset = fields["block_stride_bytes"], fields["byte_offset"]
-        if num_blocks > 1 and block_stride_bytes < page_bytes:
-            raise field_error(
-                self,
-                ("block_stride_bytes",),
-                block_stride_bytes,
-                "pages_overlap",
-                f"block_stride_bytes={block_stride_bytes} is smaller than page_bytes={page_bytes}: "
-                f"each of the {num_blocks} pages would share {page_bytes - block_stride_bytes} "
-                "bytes with the next one (a stride of one kernel block or of one half of a K/V "
-                "split taken as the block stride?)",
-            )
         shape = (num_blocks, page_bytes)
         strides = (block_stride_bytes, 1)
+        if num_blocks > 1 and block_stride_bytes < page_bytes:
+            overlap = self_overlap(
+                None, storage=None, byte_offset=byte_offset, shape=shape, strides=strides,
+                itemsize=1, block=True,
+            )  # fmt: skip
+            assert overlap is not None
+            raise field_error(
+                self, ("block_stride_bytes",), block_stride_bytes, "pages_overlap", overlap.message
+            )
         end = _arith.extent_bytes(byte_offset, shape, strides, 1)
         if end > INT64_MAX:
             raise ValueError(
@@ -331,18 +332,20 @@ class StridedLayout(Spec):
             raise ValueError(
                 f"strides has {len(strides)} entries but shape {shape} has {len(shape)} axes"
             )
-        if shape is not None:
-            overlap = _arith.self_overlap(shape, strides)
-            if overlap is not None:
-                raise ValueError(
-                    f"axis {overlap.axis} (size {overlap.size}, stride {overlap.stride}) steps no "
-                    f"further than the {overlap.reach} elements its faster axes already reach: the "
-                    "view would touch some elements twice"
-                )
         return strides
 
     @model_validator(mode="after")
     def _aligned_and_in_int64(self) -> StridedLayout:
+        overlap = self_overlap(
+            None,
+            storage=None,
+            byte_offset=self.byte_offset,
+            shape=self.shape,
+            strides=self.strides,
+            itemsize=self.itemsize,
+        )
+        if overlap is not None:
+            raise field_error(self, ("strides",), self.strides, "elements_overlap", overlap.message)
         if self.byte_offset % self.itemsize:
             raise ValueError(
                 f"byte_offset={self.byte_offset} is not a multiple of the {self.itemsize}-byte "
@@ -424,6 +427,9 @@ class Region(Spec):
 
     def as_list(self) -> list[int]:
         return [self.start_byte, self.end_byte]
+
+    def as_tuple(self) -> tuple[int, int]:
+        return (self.start_byte, self.end_byte)
 
 
 def packed_layouts(

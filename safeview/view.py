@@ -1,132 +1,38 @@
-"""The torch boundary: a checked layout becomes an ``as_strided`` view of the target's storage.
+"""``make_view``: a checked layout becomes an ``as_strided`` view of the target's storage.
 
-This is the only module of the core that imports torch. It never calls the four-argument
-``Tensor.set_`` (which reallocates a resizable storage that is too small), never copies and never
-resizes: the storage's ``data_ptr()`` and ``nbytes()`` are the same after every call as before.
+The one view it makes is judged by the checker's bounds rule (``safeview.check.bounds``) under
+the policy in force; the layout itself was judged against itself when it was built. torch is
+reached only through ``safeview._torch``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from safeview import log
-from safeview.check import Violation, bounds_violations
+from safeview import _torch, log
+from safeview.check import bounds
 from safeview.errors import ArgumentError, BoundsError
-from safeview.policy import Policy, current_policy
+from safeview.policy import Policy, PolicyArg, current_policy
 from safeview.spec import BlockLayout, Layout, Region, StridedLayout
 
-__all__ = ["event_fields", "log_bounds_violations", "make_view", "storage_of", "strided_view"]
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES: dict[str, torch.dtype] = {}
-_logger = log.stdlib_logger
-_STRIDED = torch.strided
-_UNTYPED = torch.UntypedStorage
+__all__ = ["make_view"]
 
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = _DTYPES.get(name)
-    if dtype is None:
-        dtype = _DTYPES[name] = getattr(torch, name)
-    return dtype
+_Tensor = _torch.Tensor
+_UNTYPED = _torch.UntypedStorage
+_STRIDED = _torch._STRIDED
 
 
-def storage_of(target: torch.Tensor | torch.UntypedStorage) -> torch.UntypedStorage:
-    """The untyped storage a target's offsets count from; ``ArgumentError`` for anything else."""
-    if isinstance(target, torch.Tensor):
-        if target.layout is not torch.strided:
-            raise ArgumentError(
-                f"target must be a strided tensor; got a tensor with layout {target.layout}"
-            )
-        return target.untyped_storage()
-    if isinstance(target, torch.UntypedStorage):
-        return target
-    hint = " (pass its .untyped())" if isinstance(target, torch.TypedStorage) else ""
-    raise ArgumentError(
-        "target must be a torch.Tensor or a torch.UntypedStorage; "
-        f"got {type(target).__name__}{hint}"
-    )
-
-
-def _event_fields(
-    name: str | None,
-    policy: Policy,
-    layout: Layout,
-    storage: torch.UntypedStorage,
-    region: Region | None,
-) -> dict[str, Any]:
-    return event_fields(
-        name, policy, layout.describe(), layout.extent_bytes, storage=storage, region=region
-    )
-
-
-def event_fields(
-    name: str | None,
-    policy: Policy,
-    described: dict[str, Any],
-    extent_bytes: int,
-    *,
-    storage: torch.UntypedStorage,
-    region: Region | None = None,
-) -> dict[str, Any]:
-    """The fields of ``view_created`` and ``bounds_violation`` (see the README's event table)."""
-    nbytes = storage.nbytes()
-    limit = nbytes if region is None else min(nbytes, region.end_byte)
-    fields: dict[str, Any] = {
-        "name": name,
-        "policy": policy.value,
-        "device": str(storage.device),
-        "storage_nbytes": nbytes,
-        **described,
-        "extent_bytes": extent_bytes,
-        "limit_bytes": limit,
-        "slack_bytes": limit - extent_bytes,
-    }
-    if region is not None:
-        fields["region"] = region.as_list()
-    return fields
-
-
-def log_bounds_violations(
-    violations: Sequence[Violation],
-    *,
-    level: int,
-    name: str | None,
-    policy: Policy,
-    described: dict[str, Any],
-    extent_bytes: int,
-    storage: torch.UntypedStorage,
-    region: Region | None = None,
-) -> None:
-    """One ``bounds_violation`` event per broken bound, if ``level`` is enabled."""
-    if not log.enabled(level):
-        return
-    for violation in violations:
-        fields = event_fields(name, policy, described, extent_bytes, storage=storage, region=region)
-        fields.update(violation.fields())
-        log.emit(level, "bounds_violation", fields)
-
-
-def strided_view(
-    tensor: torch.Tensor | None,
-    storage: torch.UntypedStorage,
-    dtype_name: str,
-    shape: Sequence[int],
-    strides: Sequence[int],
-    element_offset: int,
-) -> torch.Tensor:
-    """``torch.as_strided`` over ``storage``, the one call that makes every view: directly on
-    ``tensor`` when it has the dtype already, else on a one-argument ``set_`` of the storage,
-    which views the storage as it is and never resizes it. Checks nothing itself."""
-    dtype = _DTYPES.get(dtype_name) or _torch_dtype(dtype_name)
-    if tensor is not None and tensor.dtype is dtype:
-        base = tensor
-    else:
-        base = torch.empty(0, dtype=dtype, device=storage.device).set_(storage)
-    return torch.as_strided(base, shape, strides, element_offset)
+def _geometry(layout: Layout) -> dict[str, object]:
+    if type(layout) is BlockLayout:
+        return log.block_geometry(
+            layout.byte_offset, layout.num_blocks, layout.page_bytes, layout.block_stride_bytes
+        )
+    return log.strided_geometry(layout.byte_offset, layout.dtype, layout.shape, layout.strides)
 
 
 def make_view(
@@ -134,16 +40,18 @@ def make_view(
     layout: Layout,
     *,
     name: str | None = None,
-    policy: Policy | str | None = None,
+    policy: PolicyArg | None = None,
     region: Region | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """A view of ``target``'s storage with ``layout``'s dtype, shape, strides and offset, checked
     first under the policy in force.
 
     Offsets count from byte 0 of the untyped storage, whatever tensor of it you pass (vLLM's
-    ``byte_offset = t.storage_offset() * t.element_size()``). ``region=(start, end)`` is the byte
-    range this view must stay inside.
+    ``byte_offset = t.storage_offset() * t.element_size()``), and the view reads the storage's
+    bytes as they are (a tensor's lazy conjugate or negative bit is not inherited).
+    ``region=(start, end)`` is the byte range this view must stay inside.
 
+    >>> import torch
     >>> kv = torch.zeros(4 * 1024, dtype=torch.int8)
     >>> layer = BlockLayout(num_blocks=4, page_bytes=512, block_stride_bytes=1024, byte_offset=512)
     >>> make_view(kv, layer, name="layer.1").stride()
@@ -154,87 +62,89 @@ def make_view(
     ``ArgumentError`` for a target or layout of the wrong kind.
     """
     active = policy if type(policy) is Policy else current_policy(policy)
-    if not isinstance(layout, (BlockLayout, StridedLayout)):
-        raise ArgumentError(
-            f"layout must be a safeview BlockLayout or StridedLayout; got {type(layout).__name__}"
-        )
+    if type(layout) is not BlockLayout and type(layout) is not StridedLayout:
+        if not isinstance(layout, (BlockLayout, StridedLayout)):
+            raise ArgumentError(
+                "layout must be a safeview BlockLayout or StridedLayout; "
+                f"got {type(layout).__name__}"
+            )
     if type(target) is _UNTYPED:
         tensor, storage = None, target
+    elif type(target) is _Tensor and target.layout is _STRIDED:
+        tensor, storage = target, target.untyped_storage()
     else:
-        tensor = target if isinstance(target, torch.Tensor) else None
-        storage = (
-            tensor.untyped_storage()
-            if tensor is not None and tensor.layout is _STRIDED
-            else storage_of(target)
-        )
+        storage = _torch.storage_of(target)
+        tensor = target if isinstance(target, _Tensor) else None
+    span = None
     if region is not None:
-        region = Region.coerce(region)
+        span = region.as_tuple() if type(region) is Region else Region.coerce(region).as_tuple()
 
     extent = layout.extent_bytes
-    if active is not Policy.OFF and (region is not None or extent > storage.nbytes()):
-        violations = bounds_violations(
-            name=name,
+    if active is not Policy.OFF and (span is not None or extent > storage.nbytes()):
+        found = bounds(
+            name,
+            storage=None,
             byte_offset=layout.byte_offset,
             extent_bytes=extent,
             storage_nbytes=storage.nbytes(),
-            region=region,
+            region=span,
         )
-        if violations:
-            _check_failed(violations, active, name, layout, storage, region)
+        if found:
+            strict = active is Policy.STRICT
+            device, nbytes = str(storage.device), storage.nbytes()
+            geometry = _geometry(layout)
+            for finding in found:
+                log.bounds_violation(
+                    finding,
+                    strict=strict,
+                    policy=active.value,
+                    device=device,
+                    storage_nbytes=nbytes,
+                    geometry=geometry,
+                    region=span,
+                )
+            if strict:
+                raise BoundsError(
+                    found[0],
+                    storage_nbytes=nbytes,
+                    device=device,
+                    policy=active.value,
+                    layout=layout,
+                )
 
+    dtype = _torch.dtype(layout.dtype)
     try:
-        view = strided_view(
-            tensor, storage, layout.dtype, layout.shape, layout.strides, layout.element_offset
+        view = _torch.strided_view(
+            _torch.base_tensor(tensor, storage, dtype),
+            layout.shape,
+            layout.strides,
+            layout.element_offset,
         )
     except RuntimeError as error:
         if active is Policy.OFF or extent <= storage.nbytes():
             raise
-        violation = bounds_violations(
-            name=name,
-            byte_offset=layout.byte_offset,
-            extent_bytes=extent,
-            storage_nbytes=storage.nbytes(),
-        )[0]
         raise BoundsError(
-            violation,
-            layout=layout,
+            bounds(
+                name,
+                storage=None,
+                byte_offset=layout.byte_offset,
+                extent_bytes=extent,
+                storage_nbytes=storage.nbytes(),
+            )[0],
             storage_nbytes=storage.nbytes(),
             device=str(storage.device),
             policy=active.value,
+            layout=layout,
         ) from error
 
-    if _logger.isEnabledFor(logging.DEBUG):
-        log.emit(
-            logging.DEBUG, "view_created", _event_fields(name, active, layout, storage, region)
+    if log.enabled(logging.DEBUG):
+        log.view_created(
+            name=name,
+            policy=active.value,
+            device=str(storage.device),
+            storage_nbytes=storage.nbytes(),
+            geometry=_geometry(layout),
+            extent_bytes=extent,
+            region=span,
         )
     return view
-
-
-def _check_failed(
-    violations: Sequence[Violation],
-    active: Policy,
-    name: str | None,
-    layout: Layout,
-    storage: torch.UntypedStorage,
-    region: Region | None,
-) -> None:
-    """Log the broken bounds; under strict, raise for the first."""
-    strict = active is Policy.STRICT
-    log_bounds_violations(
-        violations,
-        level=logging.ERROR if strict else logging.WARNING,
-        name=name,
-        policy=active,
-        described=layout.describe(),
-        extent_bytes=layout.extent_bytes,
-        storage=storage,
-        region=region,
-    )
-    if strict:
-        raise BoundsError(
-            violations[0],
-            layout=layout,
-            storage_nbytes=storage.nbytes(),
-            device=str(storage.device),
-            policy=active.value,
-        )

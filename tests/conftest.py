@@ -21,7 +21,9 @@ def _clean_safeview_state() -> Iterator[None]:
     """Every test starts with no scope, the environment read afresh, and logging as imported."""
     assert os.environ.get(policy.ENV_POLICY) is None, "run the tests without SAFEVIEW_BOUNDS_POLICY"
     policy._from_env = None
+    token = policy._scopes.set(())
     log.reset_logging()
     yield
+    policy._scopes.reset(token)
     log.reset_logging()
     logging.getLogger(log.LOGGER_NAME).setLevel(logging.NOTSET)

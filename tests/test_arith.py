@@ -52,14 +52,11 @@ def pieces(draw: st.DrawFn) -> Blocks:
 
 
 @given(first=pieces(), second=pieces())
-def test_shared_byte_matches_enumeration(first: Blocks, second: Blocks) -> None:
+def test_shared_byte_is_the_lowest_byte_both_touch(first: Blocks, second: Blocks) -> None:
     common = _bytes(first) & _bytes(second)
-    byte = shared_byte(first, second)
-    if common:
-        assert byte in common
-        assert (shared_byte(second, first) is None) is False
-    else:
-        assert byte is None
+    expected = min(common) if common else None
+    assert shared_byte(first, second) == expected
+    assert shared_byte(second, first) == expected
 
 
 def test_shared_byte_on_glm_scale_numbers() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from safeview import BoundsError, OverlapError, Plan, configure_logging
+from safeview import ArgumentError, BoundsError, OverlapError, Plan, configure_logging
 from safeview.kv import LayerSpec, block_views, check_tensors, guard_registration
 from safeview.testing import capture_events
 
@@ -124,7 +124,7 @@ def test_unit_test_layout_with_vllm_attention_specs_and_regions() -> None:
     regions = {f"layers.{i}": (i * 163_840, (i + 1) * 163_840) for i in range(3)}
     registration = block_views(caches, dict.fromkeys(caches, spec), num_blocks=10, regions=regions)
     assert registration.report.ok
-    assert [row.byte_offset for row in registration.report.rows] == [0, 163_840, 327_680]
+    assert [view.byte_offset for view in registration.report.views] == [0, 163_840, 327_680]
     specs = dict.fromkeys(caches, spec)
     # One block too many: on the CPU torch refuses the last layer even under warn ...
     with pytest.raises(BoundsError) as caught:
@@ -156,7 +156,7 @@ def test_split_kv_lists_get_one_view_per_tensor() -> None:
     k_view, v_view = registration.tensors_per_block["layer"]
     assert k_view.shape == v_view.shape == (num_blocks, half)
     assert v_view.storage_offset() == num_blocks * half
-    assert [row.name for row in registration.report.rows] == ["layer[0]", "layer[1]"]
+    assert [view.name for view in registration.report.views] == ["layer[0]", "layer[1]"]
 
 
 def test_mamba_state_list_is_one_view_of_padded_pages() -> None:
@@ -186,7 +186,7 @@ def test_hybrid_layers_of_different_groups_may_share_a_tensor() -> None:
     assert registration.report.ok
     with pytest.raises(OverlapError) as caught:
         block_views(caches, specs, num_blocks=num_blocks, groups={"attn": 0, "mamba": 0})
-    assert [(o.first, o.second, o.byte) for o in caught.value.overlaps] == [("attn", "mamba", 0)]
+    assert [(*o.views, o.byte) for o in caught.value.findings] == [("attn", "mamba", 0)]
 
 
 def test_aliasing_layers_strict_warn_off(events: list[dict[str, Any]]) -> None:
@@ -296,5 +296,76 @@ def test_guard_reports_a_tensor_past_its_storage_on_meta() -> None:
 
 def test_guard_flags_broadcast_tensors_as_self_overlap() -> None:
     broadcast = torch.zeros(1, 64, dtype=torch.float16).expand(4, 64)
-    with pytest.raises(OverlapError, match="touches some elements twice"):
+    with pytest.raises(OverlapError, match="may touch some elements twice"):
         check_tensors({"layer": broadcast})
+
+
+@pytest.mark.parametrize("num_blocks", [True, 1.5, -1, "4", None])
+def test_bad_num_blocks_is_refused_naming_the_argument_and_value(num_blocks: object) -> None:
+    raw = torch.zeros(256, dtype=torch.int8)
+    with pytest.raises(ArgumentError, match=r"num_blocks must be a non-negative integer; got "):
+        block_views({"layer.0": raw}, {"layer.0": 64}, num_blocks=num_blocks)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("page", [-64, 1.5, 0, True])
+def test_bad_page_size_is_refused_naming_the_layer_and_value(page: object) -> None:
+    raw = torch.zeros(256, dtype=torch.int8)
+    with pytest.raises(ArgumentError, match=r"'layer.0'.*page size|page size.*'layer.0'") as caught:
+        block_views({"layer.0": raw}, {"layer.0": page}, num_blocks=4)
+    assert repr(page) in str(caught.value) or "got 0" in str(caught.value)
+
+
+def test_packed_view_past_the_end_and_self_overlapping_is_a_bounds_error_under_strict(
+    events: list[dict[str, Any]],
+) -> None:
+    raw = torch.zeros(256, dtype=torch.int8)
+    cache = torch.as_strided(raw, (8, 32), (32, 1), 0)
+    # a page of 64 at a stride of 32: self-overlapping, and 8 blocks reach byte 288
+    with pytest.raises(BoundsError) as caught:
+        block_views({"l": cache}, {"l": 64}, num_blocks=8, packed={"l"})
+    assert caught.value.overflow_bytes == 288 - 256
+    assert {e["event"] for e in events} >= {"bounds_violation", "overlap_violation"}
+    assert events[-1]["event"] == "registration_checked"  # the summary comes last
+    assert raw.untyped_storage().nbytes() == 256
+
+
+def test_packed_view_past_the_end_under_warn_chains_torchs_refusal(
+    events: list[dict[str, Any]],
+) -> None:
+    raw = torch.zeros(256, dtype=torch.int8)
+    cache = torch.as_strided(raw, (8, 32), (32, 1), 0)
+    with pytest.raises(BoundsError) as caught:
+        block_views({"l": cache}, {"l": 64}, num_blocks=8, packed={"l"}, policy="warn")
+    assert isinstance(caught.value.__cause__, RuntimeError)  # torch's own refusal, chained
+    [bounds] = [e for e in events if e["event"] == "bounds_violation"]
+    assert bounds["level"] == "warning" and bounds["overflow_bytes"] == 32
+
+
+def test_strict_stops_before_any_view_is_made_and_warn_makes_them_all() -> None:
+    raw = torch.zeros(4 * 64, dtype=torch.int8)
+    caches = {
+        "x": torch.as_strided(raw, (4, 32), (64, 1), 0),
+        "y": torch.as_strided(raw, (4, 32), (64, 1), 16),
+    }
+    pages = {"x": 32, "y": 32}
+    with pytest.raises(OverlapError):
+        block_views(caches, pages, num_blocks=4, packed=caches, policy="strict")
+    registration = block_views(caches, pages, num_blocks=4, packed=caches, policy="warn")
+    assert [f.kind for f in registration.violations] == ["overlap"]
+    assert {layer: len(views) for layer, views in registration.tensors_per_block.items()} == {
+        "x": 1,
+        "y": 1,
+    }
+
+
+def test_registration_checked_counts_the_bytes_the_views_hold(
+    events: list[dict[str, Any]],
+) -> None:
+    pages = {"a": 96, "b": 32}
+    cache = packed_cache(pages, num_blocks=5)
+    block_views(cache["caches"], pages, num_blocks=5, packed=set(pages))
+    [summary] = [e for e in events if e["event"] == "registration_checked"]
+    assert summary["bytes_covered"] == 5 * (96 + 32)
+    assert summary["storage_nbytes"] == 5 * 128
+    assert summary["min_slack_bytes"] == 0
+    assert summary["views"] == 2 and summary["violations"] == 0

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -153,3 +154,45 @@ def test_invalid_environment_variable_is_a_config_error_naming_it() -> None:
         "safeview.errors.ConfigError: SAFEVIEW_BOUNDS_POLICY='lenient' is not a valid value; "
         "allowed values: strict, warn, off" in result.stderr
     )
+
+
+def test_scopes_closed_out_of_order_leave_the_default_in_force() -> None:
+    outer = policy_scope("warn")
+    inner = policy_scope("off")
+    outer.__enter__()
+    inner.__enter__()
+    assert current_policy() is Policy.OFF
+    outer.__exit__(None, None, None)  # the outer one first, as a late-closed generator does
+    assert current_policy() is Policy.OFF
+    inner.__exit__(None, None, None)
+    assert current_policy() is Policy.STRICT
+
+
+def test_a_scope_closed_from_another_thread_does_not_raise() -> None:
+    scope = policy_scope("warn")
+    scope.__enter__()
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            scope.__exit__(None, None, None)
+        except BaseException as error:  # pragma: no cover - the failure being tested for
+            errors.append(error)
+
+    thread = threading.Thread(target=close)
+    thread.start()
+    thread.join()
+    assert errors == []
+    assert current_policy() is Policy.STRICT  # closed, here too
+
+
+def test_a_scope_inside_a_suspended_generator_is_seen_by_its_caller() -> None:
+    def views() -> Iterator[Policy]:
+        with policy_scope("off"):
+            yield current_policy()
+
+    generator = views()
+    assert next(generator) is Policy.OFF
+    assert current_policy() is Policy.OFF  # the generator is suspended inside its scope
+    generator.close()
+    assert current_policy() is Policy.STRICT

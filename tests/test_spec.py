@@ -102,7 +102,7 @@ def test_pages_that_overlap_each_other_are_refused_on_the_stride_field() -> None
         _block(page_bytes=64, block_stride_bytes=32)
     error = caught.value.errors()[0]
     assert error["loc"] == ("block_stride_bytes",)
-    assert "block_stride_bytes=32 is smaller than page_bytes=64" in error["msg"]
+    assert "block_stride_bytes=32 smaller than page_bytes=64" in error["msg"]
 
 
 @pytest.mark.parametrize("num_blocks", [0, 1])
@@ -273,3 +273,10 @@ def test_packed_layouts_put_each_page_after_the_last() -> None:
     assert layouts["mla"].byte_offset == 0
     assert layouts["idx"].byte_offset == 41_984
     assert {layout.block_stride_bytes for layout in layouts.values()} == {41_984 + 8_448}
+
+
+@pytest.mark.parametrize("value", [torch.tensor([4]), torch.tensor([[4]]), np.array([4])])
+def test_one_element_tensors_and_arrays_are_not_integer_scalars(value: object) -> None:
+    with pytest.raises(ValidationError, match="num_blocks"):
+        BlockLayout(num_blocks=value, page_bytes=8, block_stride_bytes=8)  # type: ignore[arg-type]
+    assert BlockLayout(num_blocks=torch.tensor(4), page_bytes=8, block_stride_bytes=8).num_blocks == 4

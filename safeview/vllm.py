@@ -1,0 +1,268 @@
+"""Everything that knows vLLM's names: its own views from its ``KVCacheConfig``, and its plugin.
+
+``check_registration(kv_caches, kv_cache_config)`` computes exactly the int8 views vLLM 0.33's
+offloading worker (``OffloadingConnectorWorker.register_kv_caches``) makes, by its own rules, and
+checks them: bounds, each view against itself, and aliasing within each KV-cache group.
+
+``register_plugin`` is the entry point in the ``vllm.general_plugins`` group. vLLM calls it in
+every process before any KV connector exists; it wraps ``KVConnectorFactory.create_connector`` so
+that each connector's ``register_kv_caches`` first runs ``check_registration`` (or, with no
+``KVCacheConfig`` known, the group-aware tensor check), then the connector's own method under
+``sanitize()``. ``SAFEVIEW_VLLM=0`` turns it off. vLLM is imported only when one of these runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from safeview import _torch, log
+from safeview.check import ViewRecord
+from safeview.errors import ArgumentError, SafeViewError
+from safeview.kv import Registration, _Planned, check_tensors, register
+from safeview.policy import PolicyArg, current_policy
+from safeview.sanitize import sanitize
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ENV_VLLM", "KNOWN_VERSIONS", "check_registration", "register_plugin"]
+
+ENV_VLLM = "SAFEVIEW_VLLM"
+KNOWN_VERSIONS = ("0.33",)
+"""vLLM releases whose worker rules ``check_registration`` follows."""
+
+_PATCHED = "__safeview_guarded__"
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # an import that fails is an unknown vLLM too
+        return "not importable"
+
+
+def _unknown(what: str) -> ArgumentError:
+    return ArgumentError(
+        f"safeview.vllm follows the offloading worker of vLLM {', '.join(KNOWN_VERSIONS)}; "
+        f"{what} (vLLM {_vllm_version()} is installed)"
+    )
+
+
+def _spec_classes() -> tuple[type, type]:
+    try:
+        from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+    except ImportError as error:
+        raise _unknown(f"vllm.v1.kv_cache_interface cannot be imported ({error})") from None
+    return AttentionSpec, UniformTypeKVCacheSpecs
+
+
+def _selected_groups(kv_cache_config: Any) -> list[tuple[int, Any]]:
+    """The groups the worker registers: the prefix-cacheable ones, or the HiSparse indexer groups
+    when a HiSparse host pool exists (``get_offloading_group_ids``)."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is None:
+        ids = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+        if ids is None:
+            ids = range(len(groups))
+    else:
+        ids = [
+            index
+            for index, group in enumerate(groups)
+            if getattr(getattr(group, "role", None), "name", "") == "HISPARSE_INDEXER"
+        ]
+    return [(index, groups[index]) for index in ids]
+
+
+def check_registration(
+    kv_caches: Mapping[str, torch.Tensor],
+    kv_cache_config: Any,
+    *,
+    policy: PolicyArg | None = None,
+) -> Registration:
+    """The int8 block views vLLM 0.33's offloading worker makes of ``kv_caches``, checked.
+
+    For each layer of each registered group of ``kv_cache_config.kv_cache_groups``: the layer's
+    spec (unwrapped from ``UniformTypeKVCacheSpecs``), its cache with kernel blocks folded into
+    manager blocks (``group_kernel_blocks``), ``byte_offset = storage_offset * element_size``,
+    page ``spec.page_size_bytes``, block stride ``stride(0) * element_size`` for an
+    ``AttentionSpec`` layer and the page otherwise (Mamba), ``num_blocks`` of the config. Views of
+    one group must not share a byte; views of different groups may (a block id belongs to one
+    group at a time).
+
+    Returns the ``Registration`` (``tensors_per_block`` are the worker's views: same storage,
+    offset, shape and strides). Under strict, raises ``BoundsError`` (a layer past the end of its
+    storage, with its name and numbers: where vLLM itself raises an empty ``AssertionError`` or
+    reallocates the cache) or ``OverlapError``; under warn, logs and returns the views; off checks
+    nothing. ``ArgumentError`` when the structures are not vLLM 0.33's, naming the version.
+    """
+    active = current_policy(policy)
+    attention_spec, uniform_specs = _spec_classes()
+    try:
+        num_blocks = int(kv_cache_config.num_blocks)
+        selected = _selected_groups(kv_cache_config)
+        layers = [
+            (group_id, layer, group.kv_cache_spec)
+            for group_id, group in selected
+            for layer in group.layer_names
+        ]
+    except (AttributeError, TypeError) as error:
+        raise _unknown(f"its KVCacheConfig does not have the fields it knows ({error})") from None
+    planned = _Planned()
+    page_bytes: dict[str, int] = {}
+    for group_id, layer, group_spec in layers:
+        spec = group_spec
+        if isinstance(group_spec, uniform_specs):
+            spec = group_spec.kv_cache_specs.get(layer, group_spec)  # type: ignore[attr-defined]
+        try:
+            page = int(spec.page_size_bytes)
+        except AttributeError:
+            raise _unknown(f"the spec of layer {layer!r} has no page_size_bytes") from None
+        cache = kv_caches.get(layer)
+        if not _torch.is_strided_tensor(cache):
+            raise ArgumentError(
+                f"kv_caches[{layer!r}] must be the layer's cache tensor, as vLLM allocates it; "
+                f"got {type(cache).__name__}"
+            )
+        assert cache is not None
+        byte_offset, block_stride_bytes = _manager_blocks(layer, cache, num_blocks)
+        if not isinstance(spec, attention_spec):
+            block_stride_bytes = page
+        storage = planned.storages.name(cache.untyped_storage())
+        planned.add(
+            layer,
+            cache,
+            ViewRecord.block(
+                layer,
+                storage,
+                num_blocks=num_blocks,
+                page_bytes=page,
+                block_stride_bytes=block_stride_bytes,
+                byte_offset=byte_offset,
+                group=group_id,
+            ),
+        )
+        page_bytes[layer] = page
+    return register(planned, page_bytes, active, source="vllm")
+
+
+def _manager_blocks(layer: str, cache: torch.Tensor, num_blocks: int) -> tuple[int, int]:
+    """``byte_offset`` and manager-block stride of a layer's cache, as ``group_kernel_blocks``
+    folds it: a cache of ``ratio * num_blocks`` kernel blocks has a block stride of ``ratio``
+    kernel blocks. A cache with fewer blocks than ``num_blocks`` keeps its own stride, and the
+    bounds check says by how much the view runs past the storage."""
+    itemsize = cache.element_size()
+    byte_offset = cache.storage_offset() * itemsize
+    if cache.dim() == 0:
+        raise ArgumentError(f"kv_caches[{layer!r}] is a 0-d tensor; a layer cache has blocks")
+    kernel_blocks, kernel_stride = cache.shape[0], cache.stride(0) * itemsize
+    if kernel_blocks <= num_blocks or num_blocks == 0:
+        return byte_offset, kernel_stride
+    if kernel_blocks % num_blocks:
+        raise ArgumentError(
+            f"layer {layer!r}: its cache has {kernel_blocks} blocks, which do not fold into "
+            f"num_blocks={num_blocks} manager blocks (vLLM would stop on an empty "
+            "AssertionError in group_kernel_blocks)"
+        )
+    return byte_offset, kernel_stride * (kernel_blocks // num_blocks)
+
+
+# -- the plugin --------------------------------------------------------------------------------
+
+
+def _guarded(connector: Any, kv_cache_config: Any) -> None:
+    """Replace ``connector.register_kv_caches`` by the checked one, on this instance only."""
+    original = connector.register_kv_caches
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def register_kv_caches(kv_caches: Any, *args: Any, **kwargs: Any) -> Any:
+        config = kv_cache_config or getattr(connector, "_kv_cache_config", None)
+        try:
+            if config is not None:
+                check_registration(kv_caches, config)
+            else:
+                check_tensors(kv_caches, groups=_groups_of(connector))
+        except SafeViewError:
+            raise
+        except Exception as error:  # safeview's own failure never stops the server
+            log.internal_error(where="vllm register_kv_caches check", error=error)
+            return original(kv_caches, *args, **kwargs)
+        with sanitize():
+            return original(kv_caches, *args, **kwargs)
+
+    setattr(register_kv_caches, _PATCHED, True)
+    connector.register_kv_caches = register_kv_caches
+
+
+def _groups_of(connector: Any) -> Mapping[str, Hashable] | None:
+    config = getattr(connector, "_kv_cache_config", None)
+    if config is None:
+        return None
+    return {
+        layer: index
+        for index, group in enumerate(config.kv_cache_groups)
+        for layer in group.layer_names
+    }
+
+
+def _route_events_to_vllm() -> None:
+    """safeview's events go where vLLM's own records go (its ``vllm`` logger, whose handler is
+    set up when the engine starts and does not propagate), at INFO, unless the application or
+    ``SAFEVIEW_LOG_FORMAT`` already chose where they go."""
+    from safeview.log import ENV_LOG_FORMAT, configure_logging, stdlib_logger
+
+    if os.environ.get(ENV_LOG_FORMAT) or log._installed:
+        return
+    configure_logging(forward_to="vllm", level=stdlib_logger.level or logging.INFO)
+
+
+def register_plugin() -> None:
+    """The ``vllm.general_plugins`` entry point. Wraps ``KVConnectorFactory.create_connector``
+    once per process; with ``SAFEVIEW_VLLM=0`` does nothing. Never raises: a vLLM whose internals
+    are not the ones it knows gets one ``integration_unavailable`` warning and no patching."""
+    if os.environ.get(ENV_VLLM, "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    try:
+        _route_events_to_vllm()
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        current = KVConnectorFactory.__dict__.get("create_connector")
+        if not isinstance(current, classmethod):
+            raise AttributeError("KVConnectorFactory.create_connector is not a classmethod")
+        if getattr(current.__func__, _PATCHED, False):
+            return
+        create = current.__func__
+
+        @functools.wraps(create)
+        def create_connector(cls: type, *args: Any, **kwargs: Any) -> Any:
+            connector = create(cls, *args, **kwargs)
+            try:
+                config = kwargs.get("kv_cache_config", args[2] if len(args) > 2 else None)
+                _guarded(connector, config)
+            except Exception as error:  # never stop the server for our own failure
+                log.internal_error(where="vllm create_connector", error=error)
+            return connector
+
+        setattr(create_connector, _PATCHED, True)
+        KVConnectorFactory.create_connector = classmethod(create_connector)  # type: ignore[assignment,method-assign]
+    except Exception as error:
+        log.integration(
+            "integration_unavailable",
+            integration="vllm",
+            reason=f"{type(error).__name__}: {error}",
+            version=_vllm_version(),
+        )
+        return
+    log.integration(
+        "integration_installed",
+        integration="vllm",
+        reason=f"KVConnectorFactory.create_connector guarded; policy {current_policy().value}",
+        version=_vllm_version(),
+    )

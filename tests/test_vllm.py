@@ -1,0 +1,288 @@
+"""safeview.vllm against the real vLLM 0.33.0: its planner, its allocator, its offloading worker,
+its connector factory and its plugin loader (tests/vllm_harness.py drives them).
+
+These run where vLLM is installed (``.ci/run`` makes a virtual environment for it); elsewhere they
+skip, saying so. With ``SAFEVIEW_REQUIRE_VLLM=1`` a missing vLLM is a failure instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("SAFEVIEW_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (an ImportError here fails the run, as it must in CI)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/run tests against it")
+
+import torch
+import vllm_harness as harness  # type: ignore[import-not-found,unused-ignore]
+
+import safeview
+from safeview import ArgumentError, BoundsError, OverlapError, sanitize
+from safeview.testing import capture_events
+from safeview.vllm import check_registration
+
+DEVICES = ["cpu", "meta"]
+TESTS = Path(__file__).parent
+
+
+def _described(views: dict[str, Any]) -> dict[str, list[Any]]:
+    return {layer: [harness.describe_view(view) for view in list(group)] for layer, group in
+            views.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", harness.CASES)
+def test_views_are_the_ones_the_real_worker_makes(case: str, device: str) -> None:
+    built = harness.build(case, device)
+    registration = check_registration(built.kv_caches, built.kv_cache_config)
+    run = harness.run_real_worker(built)
+    assert registration.report.ok, registration.report.findings
+    # shape, strides, storage offset, storage data_ptr and dtype, view by view
+    assert _described(registration.tensors_per_block) == _described(run.views)
+    for layer, (view,) in registration.tensors_per_block.items():
+        assert view.untyped_storage()._cdata == built.kv_caches[layer].untyped_storage()._cdata
+    assert not run.reallocated
+
+
+def test_two_groups_may_share_the_bytes_of_one_tensor() -> None:
+    built = harness.build("attention_mamba", "cpu")
+    registration = check_registration(built.kv_caches, built.kv_cache_config)
+    groups = {view.group for view in registration.report.views}
+    assert len(groups) == 2
+    storages = {view.storage for view in registration.report.views}
+    assert len(storages) == 1  # one allocation, layers of both groups on it, and no finding
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_block_too_many_is_a_bounds_error_where_vllm_asserts_with_no_message(
+    device: str,
+) -> None:
+    built = harness.build("full_attention_lbnhc", device, num_blocks_plus_one=True)
+    with pytest.raises(BoundsError) as caught:
+        check_registration(built.kv_caches, built.worker_kv_cache_config)
+    assert caught.value.name == "model.layers.2.self_attn.attn"
+    assert caught.value.overflow_bytes == 16_384
+    run = harness.run_real_worker(built, raise_errors=False)
+    assert type(run.error) is AssertionError and str(run.error) == ""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_spec_page_too_big_is_refused_by_both_and_the_storage_is_untouched(device: str) -> None:
+    built = harness.build("full_attention_lbnhc", device, worker_page_too_big=True)
+    before = (built.storage.data_ptr(), built.storage.nbytes())
+    with pytest.raises(BoundsError, match="model.layers.2.self_attn.attn"):
+        check_registration(built.kv_caches, built.worker_kv_cache_config)
+    with pytest.raises(BoundsError) as caught, sanitize():
+        harness.run_real_worker(built)
+    assert (built.storage.data_ptr(), built.storage.nbytes()) == before == (
+        built.storage_data_ptr,
+        491_520,
+    )
+    assert caught.value.op == "aten::set_"
+    assert caught.value.site is not None
+    assert caught.value.site.startswith("offloading/worker.py:")
+    assert caught.value.site.endswith("in register_kv_caches")
+
+
+def test_without_safeview_the_same_page_fault_reallocates_the_cache() -> None:
+    built = harness.build("full_attention_lbnhc", "cpu", worker_page_too_big=True)
+    run = harness.run_real_worker(built)
+    assert run.reallocated
+    assert (run.storage_nbytes_before, run.storage_nbytes_after) == (491_520, 507_904)
+
+
+def test_a_kernel_block_stride_where_a_manager_block_is_expected_is_a_self_overlap() -> None:
+    built = harness.build("kernel_block_8", "cpu", kernel_stride_as_manager=True)
+    with pytest.raises(OverlapError) as caught:
+        check_registration(built.kv_caches, built.worker_kv_cache_config)
+    assert {finding.kind for finding in caught.value.findings} == {"self_overlap"}
+    assert "block_stride_bytes=8192 smaller than page_bytes=16384" in str(caught.value)
+    assert harness.run_real_worker(built).error is None  # vLLM takes it, as "packed"
+
+
+@pytest.mark.parametrize("case", ["full_attention_lbnhc", "attention_mamba"])
+def test_two_layers_of_one_group_on_the_same_bytes_are_refused(case: str) -> None:
+    built = harness.build(case, "cpu", alias_two_layers=True)
+    with pytest.raises(OverlapError) as caught:
+        check_registration(built.kv_caches, built.worker_kv_cache_config)
+    [finding] = caught.value.findings
+    assert finding.kind == "overlap" and finding.byte is not None
+    assert harness.run_real_worker(built).error is None  # vLLM merges them silently
+
+
+def test_under_warn_the_events_say_it_and_the_worker_runs() -> None:
+    built = harness.build("full_attention_lbnhc", "meta", worker_page_too_big=True)
+    with capture_events() as events:
+        registration = check_registration(
+            built.kv_caches, built.worker_kv_cache_config, policy="warn"
+        )
+        with sanitize(policy="warn"):
+            run = harness.run_real_worker(built)
+    assert not registration.report.ok
+    kinds = [(event["event"], event.get("op")) for event in events]
+    assert ("bounds_violation", None) in kinds  # from check_registration
+    assert ("bounds_violation", "aten::set_") in kinds  # from the sanitizer, op by op
+    assert ("registration_checked", None) in kinds
+    assert run.views  # the worker ran, as it would have without safeview
+
+
+def test_structures_it_does_not_know_are_an_argument_error_naming_the_version() -> None:
+    built = harness.build("full_attention_lbnhc", "cpu")
+    with pytest.raises(ArgumentError, match=r"vLLM 0\.33.*vLLM 0\.33\.0 is installed"):
+        check_registration(built.kv_caches, object())
+
+
+# -- the plugin --------------------------------------------------------------------------------
+
+
+class MisreadingConnector(harness.HarnessOffloadingConnector):  # type: ignore[misc,name-defined]
+    """A connector whose worker reads the spec wrong (8 KV heads where the cache has 4), while the
+    connector's own KVCacheConfig is right: only the sanitizer can see the bad view."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        wrong = harness.build("full_attention_lbnhc", "cpu", worker_page_too_big=True)
+        self.connector_worker.kv_cache_config = wrong.worker_kv_cache_config
+
+
+@pytest.fixture
+def plugin() -> Iterator[Any]:
+    """vLLM's own load_general_plugins, finding safeview's installed entry point; undone after."""
+    import vllm.plugins
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    saved = KVConnectorFactory.__dict__["create_connector"]
+    harness.reset_general_plugins()
+    with capture_events() as events:
+        vllm.plugins.load_general_plugins()
+        yield events
+    KVConnectorFactory.create_connector = saved
+    harness.reset_general_plugins()
+    safeview.reset_logging()
+
+
+def test_the_plugin_is_found_by_vllm_and_guards_the_factory(plugin: list[dict[str, Any]]) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    create = KVConnectorFactory.__dict__["create_connector"].__func__
+    assert getattr(create, "__safeview_guarded__", False)
+    [installed] = [e for e in plugin if e["event"] == "integration_installed"]
+    assert installed["version"] == "0.33.0"
+
+
+def test_a_clean_registration_through_the_factory_runs_the_worker_unchanged(
+    plugin: list[dict[str, Any]],
+) -> None:
+    plain = harness.build("full_attention_lbnhc", "cpu")
+    run = harness.run_via_connector(plain)
+    assert len(run.views) == 3 and not run.reallocated
+    assert run.connector.register_kv_caches.__safeview_guarded__
+    [summary] = [e for e in plugin if e["event"] == "registration_checked"]
+    assert summary["source"] == "vllm" and summary["violations"] == 0
+
+
+def test_aliasing_is_refused_before_the_worker_runs(plugin: list[dict[str, Any]]) -> None:
+    built = harness.build("full_attention_lbnhc", "cpu", alias_two_layers=True)
+    harness.RECEIVED.clear()
+    with pytest.raises(OverlapError):
+        harness.run_via_connector(built)
+    assert harness.RECEIVED == []  # the worker never handed anything on
+
+
+def test_a_bad_view_made_inside_the_connector_is_refused_by_the_sanitizer(
+    plugin: list[dict[str, Any]],
+) -> None:
+    built = harness.build("full_attention_lbnhc", "cpu")
+    before = (built.storage.data_ptr(), built.storage.nbytes())
+    with pytest.raises(BoundsError) as caught:
+        harness.run_via_connector(built, connector="MisreadingConnector", module_path=__name__)
+    assert caught.value.op == "aten::set_"
+    assert caught.value.site is not None and "offloading/worker.py" in caught.value.site
+    assert (built.storage.data_ptr(), built.storage.nbytes()) == before
+
+
+_SUBPROCESS = """
+import json, logging, sys
+sys.path.insert(0, {tests!r})
+import vllm.plugins
+import vllm_harness as harness
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.logger import _configure_vllm_root_logger
+_configure_vllm_root_logger()  # what vLLM's engine and workers do when they start
+vllm.plugins.load_general_plugins()
+create = KVConnectorFactory.__dict__["create_connector"].__func__
+built = harness.build("full_attention_lbnhc", "cpu", alias_two_layers=True)
+run = harness.run_via_connector(built, raise_errors=False)
+print(json.dumps({{"guarded": bool(getattr(create, "__safeview_guarded__", False)),
+                   "error": type(run.error).__name__ if run.error else None,
+                   "views": len(run.views)}}))
+"""
+
+
+def _run_with(**env: str) -> tuple[dict[str, Any], str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
+    environ.update(env)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SUBPROCESS.format(tests=str(TESTS)))],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stdout + result.stderr
+
+
+def test_safeview_vllm_0_leaves_vllm_alone() -> None:
+    outcome, _ = _run_with(SAFEVIEW_VLLM="0")
+    assert outcome == {"guarded": False, "error": None, "views": 3}  # vLLM merges the alias
+
+
+def test_under_warn_the_server_log_shows_the_violation_and_vllm_runs() -> None:
+    outcome, output = _run_with(SAFEVIEW_BOUNDS_POLICY="warn")
+    assert outcome == {"guarded": True, "error": None, "views": 3}
+    # the event arrives through vLLM's own handler, in vLLM's format, located at the caller of
+    # register_kv_caches (here the harness), not inside safeview
+    [line] = [line for line in output.splitlines() if "event='overlap_violation'" in line]
+    assert " WARNING " in line
+    assert "[vllm_harness.py:" in line and "views=['model.layers.0.self_attn.attn'" in line
+
+
+def test_under_strict_the_refusal_is_in_the_server_log_and_stops_the_registration() -> None:
+    outcome, output = _run_with()
+    assert outcome == {"guarded": True, "error": "OverlapError", "views": 0}
+    assert any(
+        " ERROR " in line and "event='overlap_violation'" in line
+        for line in output.splitlines()
+    )
+    assert any("event='integration_installed'" in line for line in output.splitlines())
+
+
+def test_a_vllm_without_the_factory_gets_one_warning_and_no_patching(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector import factory
+
+    monkeypatch.delattr(factory, "KVConnectorFactory")
+    with capture_events() as events:
+        from safeview.vllm import register_plugin
+
+        register_plugin()  # must not raise
+    safeview.reset_logging()
+    [event] = [e for e in events if e["event"].startswith("integration_")]
+    assert event["event"] == "integration_unavailable" and event["level"] == "warning"
+    assert "KVConnectorFactory" in event["reason"]
+
+
+def test_torch_in_this_environment_is_vllms_own() -> None:
+    assert torch.__version__.startswith("2.14")
