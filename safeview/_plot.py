@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from safeview.plan import Plan, PlanView
 from safeview.check import Report
+from safeview.plan import Plan, PlanView
 
 __all__ = ["draw_map"]
 
@@ -46,11 +46,7 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     gapped = any(view.page_bytes < view.block_stride_bytes for view in views if view.num_blocks > 1)
     # One block period says it all for a packed group; contiguous views are drawn to scale.
     period = next(iter(strides)) if len(strides) == 1 and gapped else None
-    limit = (
-        period
-        if period is not None
-        else max([nbytes, *(extents[view.name] for view in views)])
-    )
+    limit = period if period is not None else max([nbytes, *(extents[view.name] for view in views)])
     for row, view in enumerate(views):
         bad = status[view.name] != "ok"
         colour = RED if bad else GROUP_COLOURS[groups.index(view.group) % len(GROUP_COLOURS)]

@@ -51,8 +51,14 @@ def dtype(name: str) -> torch.dtype:
     return found
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(value: torch.dtype) -> str:
-    return str(value).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(value)
+    if name is None:
+        name = _DTYPE_NAMES[value] = str(value).removeprefix("torch.")
+    return name
 
 
 def is_strided_tensor(value: object) -> bool:
@@ -89,13 +95,21 @@ class StorageFacts(NamedTuple):
     base: int
 
 
+# device -> (its name, whether it has addresses); devices are few, storages many
+_DEVICES: dict[torch.device, tuple[str, bool]] = {}
+
+
 def storage_facts(storage: torch.UntypedStorage) -> StorageFacts:
     key = storage._cdata  # the StorageImpl: one per allocation, also on meta
     device = storage.device
-    address = storage.data_ptr() if device.type != "meta" else 0
+    known = _DEVICES.get(device)
+    if known is None:
+        known = _DEVICES[device] = (str(device), device.type != "meta")
+    name, addressed = known
+    address = storage.data_ptr() if addressed else 0
     if address:
-        return StorageFacts(key, storage.nbytes(), str(device), ("device", str(device)), address)
-    return StorageFacts(key, storage.nbytes(), str(device), ("allocation", key), 0)
+        return StorageFacts(key, storage.nbytes(), name, name, address)
+    return StorageFacts(key, storage.nbytes(), name, key, 0)
 
 
 class Geometry(NamedTuple):
@@ -111,7 +125,10 @@ class Geometry(NamedTuple):
 def geometry(tensor: torch.Tensor) -> Geometry:
     itemsize = tensor.element_size()
     return Geometry(
-        tensor.storage_offset() * itemsize, tuple(tensor.shape), tuple(tensor.stride()), itemsize
+        int(tensor.storage_offset()) * itemsize,
+        tuple(int(size) for size in tensor.shape),
+        tuple(int(stride) for stride in tensor.stride()),
+        itemsize,
     )
 
 
@@ -176,7 +193,7 @@ def _site() -> tuple[str, int, str]:
 
 
 def _ints(values: Sequence[Any]) -> tuple[int, ...]:
-    return tuple(int(value) for value in values)
+    return tuple(map(int, values))
 
 
 def _set_storage(args: Sequence[Any], kwargs: dict[str, Any]) -> Op | None:
@@ -310,7 +327,7 @@ _WATCHED: dict[Any, Callable[[Sequence[Any], dict[str, Any]], Op | None]] = {
 }
 
 
-class ViewGuard(TorchDispatchMode):
+class ViewGuard(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignore]
     """Sees every aten op of this thread; for the ops that place a view on a storage (``set_``
     with a storage and geometry, ``as_strided``, ``as_strided_``, and a ``resize_`` that grows a
     shared storage) it hands the view's numbers to ``on_view`` before the op runs. ``on_view`` may
@@ -322,25 +339,33 @@ class ViewGuard(TorchDispatchMode):
         on_view: Callable[[Op], None],
         on_error: Callable[[BaseException], None],
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call,unused-ignore]
         self.on_view = on_view
         self.on_error = on_error
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        describe = _WATCHED.get(func)
-        if describe is not None:
-            try:
-                op = describe(args, kwargs)
-            except Exception as error:  # our own failure must not stop the host
-                self.on_error(error)
-                op = None
-            if op is not None:
-                self.on_view(op)
-        return func(*args, **kwargs)
+
+
+def _dispatch(
+    self: ViewGuard,
+    func: Any,
+    types: Any,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> Any:
+    kwargs = kwargs or {}
+    describe = _WATCHED.get(func)
+    if describe is not None:
+        try:
+            op = describe(args, kwargs)
+        except Exception as error:  # our own failure must not stop the host
+            self.on_error(error)
+            op = None
+        if op is not None:
+            self.on_view(op)
+    return func(*args, **kwargs)
+
+
+# Set after the class is made, so that TorchDispatchMode.__init_subclass__ does not wrap it in
+# torch._disable_dynamo: that wrapper costs about as much per op as the whole check, and the
+# guard neither traces nor compiles anything.
+ViewGuard.__torch_dispatch__ = _dispatch  # type: ignore[method-assign,assignment,unused-ignore]

@@ -317,7 +317,7 @@ class _Memory:
     columns of integers (no object per view) for the quick test; any other view's pieces are
     kept as they are, and then the full sweep runs."""
 
-    __slots__ = ("indices", "storages", "offsets", "numbers", "strides", "runs", "pieces")
+    __slots__ = ("indices", "numbers", "offsets", "pieces", "runs", "storages", "strides")
 
     def __init__(self) -> None:
         self.indices: list[int] = []

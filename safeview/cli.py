@@ -19,8 +19,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from safeview import __version__
-from safeview.plan import Plan
 from safeview.check import Report
+from safeview.plan import Plan
 
 __all__ = ["main"]
 

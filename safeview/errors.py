@@ -96,9 +96,7 @@ class BoundsError(SafeViewError):
         self.layout = layout
         self.op = op
         self.site = site
-        super().__init__(
-            f"{finding.message}{_where(site, op)} [device {device}, policy {policy}]"
-        )
+        super().__init__(f"{finding.message}{_where(site, op)} [device {device}, policy {policy}]")
 
 
 class OverlapError(SafeViewError):

@@ -155,8 +155,10 @@ class Finding:
             parts.append(f"{before} bytes before its start")
         if after:
             parts.append(f"{after} bytes past its end")
-        needs = f"starts at byte {byte_offset}" if empty else (
-            f"needs bytes [{byte_offset}, {extent_bytes})"
+        needs = (
+            f"starts at byte {byte_offset}"
+            if empty
+            else (f"needs bytes [{byte_offset}, {extent_bytes})")
         )
         what = _view(name, empty)
         return cls(
@@ -190,6 +192,7 @@ class Finding:
         already go (Rust ndarray's rule). ``block``: the view is a ``(num_blocks, page_bytes)``
         block view, and the sentence speaks of its block stride and page."""
         stride = strides[axis]
+        byte: int | None
         if block:
             num_blocks, page_bytes = shape
             byte = byte_offset + stride

@@ -157,13 +157,22 @@ class Registration:
 
 
 class _Planned:
-    """Views to make, as records, with the layer and tensor each comes from."""
+    """Views to make, as records, with the layer and tensor each comes from. Equal shape and
+    stride tuples are shared (a packed group has a few page sizes and one stride): fewer objects
+    that outlive the call, so a registration of thousands of layers does not make the cyclic
+    collector scan the host's heap."""
 
     def __init__(self) -> None:
         self.storages = Storages()
         self.records: list[ViewRecord] = []
         self.layers: list[str] = []
         self.tensors: list[torch.Tensor] = []
+        self._pairs: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def pair(self, first: int, second: int) -> tuple[int, int]:
+        """``(first, second)``, the same tuple object for equal values."""
+        key = (first, second)
+        return self._pairs.setdefault(key, key)
 
     def add(self, layer: str, tensor: torch.Tensor, record: ViewRecord) -> None:
         self.records.append(record)
@@ -241,8 +250,17 @@ def block_views(
             continue
         if kind == "mamba":
             # The state tensors of a block sit one after another in one padded page.
-            offset = first.storage_offset() * first.element_size()
-            record = ViewRecord(layer, storage, offset, (blocks, page), (page, 1), 1, group, region)
+            offset = int(first.storage_offset()) * first.element_size()
+            record = ViewRecord(
+                layer,
+                storage,
+                offset,
+                planned.pair(blocks, page),
+                planned.pair(page, 1),
+                1,
+                group,
+                region,
+            )
             planned.add(layer, first, record)
             continue
         if len(tensors) > 1 and page % len(tensors):
@@ -264,9 +282,9 @@ def block_views(
                 ViewRecord(
                     name,
                     storage,
-                    tensor.storage_offset() * size,
-                    (blocks, part),
-                    (stride, 1),
+                    int(tensor.storage_offset()) * size,
+                    planned.pair(blocks, part),
+                    planned.pair(stride, 1),
                     1,
                     group,
                     region,
@@ -288,7 +306,7 @@ def register(
         name: _torch.base_tensor(None, storage, int8) for name, storage in storages.objects.items()
     }
     past_end = {f.views[0] for f in report.findings if f.kind == "out_of_bounds"}
-    views: dict[str, list[torch.Tensor]] = {layer: [] for layer in page_bytes}
+    made: list[torch.Tensor] = []
     for layer, record in zip(planned.layers, planned.records):
         try:
             view = _torch.strided_view(
@@ -300,14 +318,26 @@ def register(
             [finding] = [f for f in report.findings if f.kind == "out_of_bounds" and
                          f.views[0] == record.name]  # fmt: skip
             raise _bounds_error(finding, storages, active) from error
-        views[layer].append(view)
+        made.append(view)
     return Registration(
-        {layer: tuple(tensors) for layer, tensors in views.items()},
+        _per_layer(page_bytes, planned.layers, made),
         page_bytes,
         report,
         {name: facts.device for name, facts in storages.facts.items()},
         active,
     )
+
+
+def _per_layer(
+    page_bytes: Mapping[str, int], layers: Sequence[str], views: Sequence[torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each layer's views, in order, as one tuple per layer."""
+    if len(layers) == len(page_bytes):  # one view per layer, the usual case
+        return {layer: (view,) for layer, view in zip(layers, views)}
+    grouped: dict[str, list[torch.Tensor]] = {layer: [] for layer in page_bytes}
+    for layer, view in zip(layers, views):
+        grouped[layer].append(view)
+    return {layer: tuple(group) for layer, group in grouped.items()}
 
 
 def _bounds_error(finding: Finding, storages: Storages, active: Policy) -> BoundsError:

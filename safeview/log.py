@@ -124,12 +124,14 @@ def bounds_violation(
     site: dict[str, Any] | None = None,
 ) -> None:
     """``bounds_violation`` (ERROR under strict, WARNING under warn): the keys of
-    ``view_created`` (``region``: the view's own, when it has one) for the broken limit, plus ``kind``, ``check``, ``overflow_bytes`` and
-    ``message``; ``op``, ``file``, ``line`` and ``function`` for a view seen by ``sanitize()``."""
+    ``view_created`` (``region``: the view's own, when it has one) for the broken limit, plus
+    ``kind``, ``check``, ``overflow_bytes`` and ``message``; ``op``, ``file``, ``line`` and
+    ``function`` for a view seen by ``sanitize()``."""
     level = _levels(strict)
     if not stdlib_logger.isEnabledFor(level):
         return
-    assert finding.extent_bytes is not None and finding.limit_bytes is not None
+    assert finding.extent_bytes is not None
+    assert finding.limit_bytes is not None
     name = finding.views[0] if finding.views else None
     fields = _view_fields(
         "bounds_violation",

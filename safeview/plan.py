@@ -2,9 +2,9 @@
 
 A plan names its storages (``name``, ``nbytes``) and its block views (``name``, ``storage``,
 ``num_blocks``, ``page_bytes``, ``block_stride_bytes``, ``byte_offset``, optional ``group`` and
-``region``). ``safeview check PLAN.json`` validates it with ``Plan`` and judges it with the one checker
-(``safeview.check.check_views``); ``Registration.to_plan()`` and ``sanitize().to_plan()`` write one
-from a live process.
+``region``). ``safeview check PLAN.json`` validates it with ``Plan`` and judges it with the one
+checker (``safeview.check.check_views``); ``Registration.to_plan()`` and ``sanitize().to_plan()``
+write one from a live process.
 """
 
 from __future__ import annotations

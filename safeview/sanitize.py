@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from safeview._torch import Op
 
-__all__ = ["SeenView", "Sanitizer", "sanitize"]
+__all__ = ["Sanitizer", "SeenView", "sanitize"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,8 +40,8 @@ class SeenView(NamedTuple):
     """One view made under a sanitizer: the ``op`` that made it, its ``storage`` (named
     ``storage0``, ``storage1``, ... in order of first sight) on ``device`` with
     ``storage_nbytes`` bytes, its first byte, ``shape`` and ``strides`` in elements of
-    ``itemsize`` bytes of type ``dtype``, its exclusive end ``extent_bytes``, and the call site (``file``, ``line``,
-    ``function``: the first frame outside torch and safeview)."""
+    ``itemsize`` bytes of type ``dtype``, its exclusive end ``extent_bytes``, and the call site
+    (``file``, ``line``, ``function``: the first frame outside torch and safeview)."""
 
     op: str
     storage: str
@@ -150,7 +150,7 @@ class Sanitizer:
         if name is None:
             name = self._storages[facts.key] = f"storage{len(self._storages)}"
             self._memories[name] = StorageRecord(facts.nbytes, facts.memory, facts.base)
-        negative = op.byte_offset < 0 or any(v < 0 for v in (*op.shape, *op.strides))
+        negative = op.byte_offset < 0 or min(op.shape + op.strides, default=0) < 0
         extent = (
             op.byte_offset
             if negative
@@ -242,4 +242,3 @@ def sanitize(policy: PolicyArg | None = None) -> Sanitizer:
     that are correct come back exactly as torch makes them. Per thread.
     """
     return Sanitizer(policy)
-

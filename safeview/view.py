@@ -62,12 +62,10 @@ def make_view(
     ``ArgumentError`` for a target or layout of the wrong kind.
     """
     active = policy if type(policy) is Policy else current_policy(policy)
-    if type(layout) is not BlockLayout and type(layout) is not StridedLayout:
-        if not isinstance(layout, (BlockLayout, StridedLayout)):
-            raise ArgumentError(
-                "layout must be a safeview BlockLayout or StridedLayout; "
-                f"got {type(layout).__name__}"
-            )
+    if type(layout) is not BlockLayout and not isinstance(layout, (BlockLayout, StridedLayout)):
+        raise ArgumentError(
+            f"layout must be a safeview BlockLayout or StridedLayout; got {type(layout).__name__}"
+        )
     if type(target) is _UNTYPED:
         tensor, storage = None, target
     elif type(target) is _Tensor and target.layout is _STRIDED:

@@ -137,14 +137,14 @@ def check_registration(
         planned.add(
             layer,
             cache,
-            ViewRecord.block(
+            ViewRecord(
                 layer,
                 storage,
-                num_blocks=num_blocks,
-                page_bytes=page,
-                block_stride_bytes=block_stride_bytes,
-                byte_offset=byte_offset,
-                group=group_id,
+                byte_offset,
+                planned.pair(num_blocks, page),
+                planned.pair(block_stride_bytes, 1),
+                1,
+                group_id,
             ),
         )
         page_bytes[layer] = page
@@ -157,10 +157,10 @@ def _manager_blocks(layer: str, cache: torch.Tensor, num_blocks: int) -> tuple[i
     kernel blocks. A cache with fewer blocks than ``num_blocks`` keeps its own stride, and the
     bounds check says by how much the view runs past the storage."""
     itemsize = cache.element_size()
-    byte_offset = cache.storage_offset() * itemsize
+    byte_offset = int(cache.storage_offset()) * itemsize
     if cache.dim() == 0:
         raise ArgumentError(f"kv_caches[{layer!r}] is a 0-d tensor; a layer cache has blocks")
-    kernel_blocks, kernel_stride = cache.shape[0], cache.stride(0) * itemsize
+    kernel_blocks, kernel_stride = int(cache.shape[0]), int(cache.stride(0)) * itemsize
     if kernel_blocks <= num_blocks or num_blocks == 0:
         return byte_offset, kernel_stride
     if kernel_blocks % num_blocks:
@@ -251,7 +251,8 @@ def register_plugin() -> None:
             return connector
 
         setattr(create_connector, _PATCHED, True)
-        KVConnectorFactory.create_connector = classmethod(create_connector)  # type: ignore[assignment,method-assign]
+        # a classmethod looked up at call time: every connector vLLM creates passes through it
+        setattr(KVConnectorFactory, "create_connector", classmethod(create_connector))  # noqa: B010
     except Exception as error:
         log.integration(
             "integration_unavailable",

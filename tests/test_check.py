@@ -65,8 +65,10 @@ def test_findings_match_brute_force_on_small_block_layouts(
         for second in views[i + 1 :]:
             if {first.name, second.name} & self_overlapping:
                 continue  # kept out of the pairwise check
-            may_share = first.group is not None and second.group is not None and (
-                first.group != second.group
+            may_share = (
+                first.group is not None
+                and second.group is not None
+                and (first.group != second.group)
             )
             common = touched[first.name] & touched[second.name]
             expected = bool(common) and not may_share
@@ -117,7 +119,7 @@ def test_frombuffer_twice_gives_two_storages_whose_aliasing_is_still_found() -> 
     assert np.shares_memory(
         np.frombuffer(buffer, np.int8)[0:32], np.frombuffer(buffer, np.int8)[16:48]
     )
-    with pytest.raises(OverlapError, match="'layer.0' and 'layer.1' both use byte 16"):
+    with pytest.raises(OverlapError, match=r"'layer\.0' and 'layer\.1' both use byte 16"):
         check_tensors(caches)
     with pytest.raises(OverlapError):
         block_views(caches, {"layer.0": 32, "layer.1": 32}, num_blocks=4, packed=caches)

@@ -13,7 +13,8 @@ from safeview.findings import Finding
 def test_the_errors_module_depends_on_nothing_of_the_package() -> None:
     path = Path(safeview.__file__).parent / "errors.py"
     spec = importlib.util.spec_from_file_location("standalone_errors", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # no safeview import may run for this to work
     assert module.BoundsError.__mro__[1].__name__ == "SafeViewError"
@@ -57,22 +58,23 @@ def test_bounds_error_of_a_sanitized_op_names_the_op_and_the_call_site() -> None
 
 
 def test_overlap_error_lists_ten_findings_and_counts_the_rest() -> None:
-    findings = [
-        Finding.overlap(f"a{i}", f"b{i}", storage="kv", byte=i, group=0) for i in range(12)
-    ]
+    findings = [Finding.overlap(f"a{i}", f"b{i}", storage="kv", byte=i, group=0) for i in range(12)]
     error = OverlapError(findings, policy="strict")
     text = str(error)
     assert text.startswith("12 overlap(s) between views that must not share bytes [policy strict]")
     assert "views 'a9' and 'b9' (group 0) both use byte 9" in text
-    assert "'a10'" not in text and "... and 2 more" in text
+    assert "'a10'" not in text
+    assert "... and 2 more" in text
     assert error.findings == error.overlaps == tuple(findings)
 
 
 def test_config_and_argument_errors_are_also_the_builtin_kinds_callers_catch() -> None:
     config = ConfigError("SAFEVIEW_BOUNDS_POLICY", "lax", ["strict", "warn", "off"])
-    assert isinstance(config, ValueError) and isinstance(config, SafeViewError)
+    assert isinstance(config, ValueError)
+    assert isinstance(config, SafeViewError)
     assert str(config) == (
         "SAFEVIEW_BOUNDS_POLICY='lax' is not a valid value; allowed values: strict, warn, off"
     )
     argument = ArgumentError("num_blocks must be a non-negative integer; got True (bool)")
-    assert isinstance(argument, TypeError) and isinstance(argument, ValueError)
+    assert isinstance(argument, TypeError)
+    assert isinstance(argument, ValueError)

@@ -70,12 +70,14 @@ def test_typed_self_overlap_names_the_axis_and_a_byte_only_when_it_is_exact() ->
     broadcast = self_overlap(
         "t", storage=None, byte_offset=8, shape=(4, 8), strides=(0, 1), itemsize=2
     )
-    assert broadcast is not None and broadcast.byte == 8
+    assert broadcast is not None
+    assert broadcast.byte == 8
     assert "axis 0 (size 4, stride 0)" in broadcast.message
     interleaved = self_overlap(
         "t", storage=None, byte_offset=0, shape=(3, 2), strides=(2, 3), itemsize=4
     )
-    assert interleaved is not None and interleaved.byte is None  # refused, but no byte is shared
+    assert interleaved is not None
+    assert interleaved.byte is None
 
 
 @pytest.mark.parametrize(

@@ -338,7 +338,8 @@ def test_packed_view_past_the_end_under_warn_chains_torchs_refusal(
         block_views({"l": cache}, {"l": 64}, num_blocks=8, packed={"l"}, policy="warn")
     assert isinstance(caught.value.__cause__, RuntimeError)  # torch's own refusal, chained
     [bounds] = [e for e in events if e["event"] == "bounds_violation"]
-    assert bounds["level"] == "warning" and bounds["overflow_bytes"] == 32
+    assert bounds["level"] == "warning"
+    assert bounds["overflow_bytes"] == 32
 
 
 def test_strict_stops_before_any_view_is_made_and_warn_makes_them_all() -> None:
@@ -368,4 +369,5 @@ def test_registration_checked_counts_the_bytes_the_views_hold(
     assert summary["bytes_covered"] == 5 * (96 + 32)
     assert summary["storage_nbytes"] == 5 * 128
     assert summary["min_slack_bytes"] == 0
-    assert summary["views"] == 2 and summary["violations"] == 0
+    assert summary["views"] == 2
+    assert summary["violations"] == 0

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import pytest
 import torch
@@ -187,7 +187,7 @@ def test_a_scope_closed_from_another_thread_does_not_raise() -> None:
 
 
 def test_a_scope_inside_a_suspended_generator_is_seen_by_its_caller() -> None:
-    def views() -> Iterator[Policy]:
+    def views() -> Generator[Policy, None, None]:
         with policy_scope("off"):
             yield current_policy()
 

@@ -94,7 +94,8 @@ def test_strict_refuses_a_page_too_big_before_the_storage_is_reallocated(device:
     assert _state(next(iter(caches.values()))) == before
     error = caught.value
     assert error.op == "aten::set_"
-    assert error.site is not None and "register_like_vllm" in error.site
+    assert error.site is not None
+    assert "register_like_vllm" in error.site
     assert error.site.startswith("tests/test_sanitize.py:")
     last = 2 * NUM_BLOCKS * PAGE  # the first layer whose view runs past the end
     assert error.byte_offset == last
@@ -102,16 +103,9 @@ def test_strict_refuses_a_page_too_big_before_the_storage_is_reallocated(device:
     assert error.storage_nbytes == LAYERS * NUM_BLOCKS * PAGE
     assert error.device == device
     assert "by aten::set_ at tests/test_sanitize.py:" in str(error)
-
-
-def test_without_the_sanitizer_the_same_fault_reallocates_the_cache() -> None:
-    """What the sanitizer prevents, shown on the same call pattern."""
-    caches = vllm_like_caches()
-    layer = next(iter(caches.values()))
-    pointer, nbytes = _state(layer)
-    register_like_vllm({"last": list(caches.values())[-1]}, 2 * PAGE, NUM_BLOCKS)
-    assert layer.untyped_storage().nbytes() > nbytes
-    assert layer.untyped_storage().data_ptr() != pointer
+    if device == "cpu":  # what was prevented: the same calls, unsanitized, move the cache
+        register_like_vllm(caches, 2 * PAGE, NUM_BLOCKS)
+        assert _state(next(iter(caches.values()))) != before
 
 
 def test_warn_logs_the_op_and_the_call_site_and_lets_it_run() -> None:
@@ -139,8 +133,9 @@ def test_off_installs_nothing_and_records_nothing() -> None:
 
 
 def test_the_mode_is_gone_after_the_block_even_when_it_raised() -> None:
-    with pytest.raises(BoundsError), sanitize():
+    with sanitize():
         assert _get_current_dispatch_mode() is not None
+    with pytest.raises(BoundsError), sanitize():
         torch.as_strided(torch.empty(8, device="meta"), (4,), (4,))
     assert _get_current_dispatch_mode() is None
 
@@ -148,26 +143,26 @@ def test_the_mode_is_gone_after_the_block_even_when_it_raised() -> None:
 def test_as_strided_past_the_end_on_meta_is_refused_where_torch_checks_nothing() -> None:
     meta = torch.empty(64, dtype=torch.int8, device="meta")
     assert torch.as_strided(meta, (5, 16), (16, 1)).shape == (5, 16)  # torch alone accepts it
-    with pytest.raises(BoundsError, match=r"needs bytes \[0, 80\) .*\(16 bytes past the end\)"):
-        with sanitize():
-            torch.as_strided(meta, (5, 16), (16, 1))
+    message = r"needs bytes \[0, 80\) .*\(16 bytes past the end\)"
+    with pytest.raises(BoundsError, match=message), sanitize():
+        torch.as_strided(meta, (5, 16), (16, 1))
 
 
 def test_an_empty_view_far_past_the_end_is_refused_as_in_make_view() -> None:
     meta = torch.empty(16, dtype=torch.int8, device="meta")
-    with pytest.raises(BoundsError, match="the empty view starts at byte 1000000000000"):
-        with sanitize():
-            torch.as_strided(meta, (0, 16), (16, 1), 10**12)
+    message = "the empty view starts at byte 1000000000000"
+    with pytest.raises(BoundsError, match=message), sanitize():
+        torch.as_strided(meta, (0, 16), (16, 1), 10**12)
 
 
 def test_in_place_as_strided_and_the_tensor_source_set_are_checked() -> None:
     kv = torch.zeros(64, dtype=torch.int8)
     with sanitize() as seen:
-        torch.empty(0, dtype=torch.int8).set_(kv)
+        torch.empty(0, dtype=torch.int8).set_(kv)  # type: ignore[call-overload]
         with pytest.raises(BoundsError, match="aten::as_strided_"):
             torch.empty(0, dtype=torch.int8).set_(kv.untyped_storage()).as_strided_((9, 8), (8, 1))
         with pytest.raises(BoundsError, match="aten::set_"):
-            torch.empty(0, dtype=torch.int8).set_(kv, 8, (8, 8), (8, 1))
+            torch.empty(0, dtype=torch.int8).set_(kv, 8, (8, 8), (8, 1))  # type: ignore[call-overload]
     assert [view.op for view in seen.views] == ["aten::set_", "aten::as_strided_", "aten::set_"]
     assert kv.untyped_storage().nbytes() == 64
 
@@ -182,7 +177,8 @@ def test_resize_that_grows_a_shared_storage_is_refused_and_fresh_tensors_still_g
         torch.add(torch.ones(3), 1, out=out)  # out= resizes its output: fine
         with pytest.raises(BoundsError, match="aten::resize_"):
             kv.resize_(128)
-    assert fresh.shape == (100,) and out.tolist() == [2.0, 2.0, 2.0]
+    assert fresh.shape == (100,)
+    assert out.tolist() == [2.0, 2.0, 2.0]
     assert kv.untyped_storage().data_ptr() == pointer == layer.untyped_storage().data_ptr()
     assert kv.untyped_storage().nbytes() == 64
 
@@ -251,9 +247,8 @@ def test_to_plan_writes_the_block_views_for_safeview_check(tmp_path: Path) -> No
     path = tmp_path / "seen.json"
     plan = seen.to_plan(path)
     assert [view.byte_offset for view in plan.views] == [0, 32_768, 65_536]
-    assert plan.description is not None and "1 views that are not int8 block views" in (
-        plan.description
-    )
+    assert plan.description is not None
+    assert "1 views that are not int8 block views" in (plan.description)
     assert Plan.load(path).check().ok
     # the same views, read through the checker directly
     assert seen.report().ok is False  # the fp16 view lies on layer 0's bytes

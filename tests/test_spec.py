@@ -279,4 +279,6 @@ def test_packed_layouts_put_each_page_after_the_last() -> None:
 def test_one_element_tensors_and_arrays_are_not_integer_scalars(value: object) -> None:
     with pytest.raises(ValidationError, match="num_blocks"):
         BlockLayout(num_blocks=value, page_bytes=8, block_stride_bytes=8)  # type: ignore[arg-type]
-    assert BlockLayout(num_blocks=torch.tensor(4), page_bytes=8, block_stride_bytes=8).num_blocks == 4
+    assert (
+        BlockLayout(num_blocks=torch.tensor(4), page_bytes=8, block_stride_bytes=8).num_blocks == 4
+    )

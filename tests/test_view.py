@@ -480,7 +480,7 @@ def test_wrong_layout_types_are_refused(layout: object) -> None:
 
 def test_unknown_policy_argument_is_a_config_error() -> None:
     with pytest.raises(safeview.ConfigError, match="policy='lenient' is not a valid value"):
-        make_view(torch.zeros(64, dtype=torch.int8), INSIDE, policy="lenient")
+        make_view(torch.zeros(64, dtype=torch.int8), INSIDE, policy="lenient")  # type: ignore[arg-type]
 
 
 def test_no_module_of_safeview_calls_the_resizing_set_() -> None:

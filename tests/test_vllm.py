@@ -73,32 +73,33 @@ def test_one_block_too_many_is_a_bounds_error_where_vllm_asserts_with_no_message
     assert caught.value.name == "model.layers.2.self_attn.attn"
     assert caught.value.overflow_bytes == 16_384
     run = harness.run_real_worker(built, raise_errors=False)
-    assert type(run.error) is AssertionError and str(run.error) == ""
+    assert type(run.error) is AssertionError
+    assert str(run.error) == ""
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_spec_page_too_big_is_refused_by_both_and_the_storage_is_untouched(device: str) -> None:
     built = harness.build("full_attention_lbnhc", device, worker_page_too_big=True)
     before = (built.storage.data_ptr(), built.storage.nbytes())
-    with pytest.raises(BoundsError, match="model.layers.2.self_attn.attn"):
+    with pytest.raises(BoundsError, match=r"model\.layers\.2\.self_attn\.attn"):
         check_registration(built.kv_caches, built.worker_kv_cache_config)
     with pytest.raises(BoundsError) as caught, sanitize():
         harness.run_real_worker(built)
-    assert (built.storage.data_ptr(), built.storage.nbytes()) == before == (
-        built.storage_data_ptr,
-        491_520,
+    assert (
+        (built.storage.data_ptr(), built.storage.nbytes())
+        == before
+        == (
+            built.storage_data_ptr,
+            491_520,
+        )
     )
     assert caught.value.op == "aten::set_"
     assert caught.value.site is not None
     assert caught.value.site.startswith("offloading/worker.py:")
     assert caught.value.site.endswith("in register_kv_caches")
-
-
-def test_without_safeview_the_same_page_fault_reallocates_the_cache() -> None:
-    built = harness.build("full_attention_lbnhc", "cpu", worker_page_too_big=True)
-    run = harness.run_real_worker(built)
-    assert run.reallocated
-    assert (run.storage_nbytes_before, run.storage_nbytes_after) == (491_520, 507_904)
+    if device == "cpu":  # what was prevented: vLLM alone reallocates the KV cache
+        run = harness.run_real_worker(built)
+        assert (run.storage_nbytes_before, run.storage_nbytes_after) == (491_520, 507_904)
 
 
 def test_a_kernel_block_stride_where_a_manager_block_is_expected_is_a_self_overlap() -> None:
@@ -116,7 +117,8 @@ def test_two_layers_of_one_group_on_the_same_bytes_are_refused(case: str) -> Non
     with pytest.raises(OverlapError) as caught:
         check_registration(built.kv_caches, built.worker_kv_cache_config)
     [finding] = caught.value.findings
-    assert finding.kind == "overlap" and finding.byte is not None
+    assert finding.kind == "overlap"
+    assert finding.byte is not None
     assert harness.run_real_worker(built).error is None  # vLLM merges them silently
 
 
@@ -145,14 +147,15 @@ def test_structures_it_does_not_know_are_an_argument_error_naming_the_version() 
 # -- the plugin --------------------------------------------------------------------------------
 
 
-class MisreadingConnector(harness.HarnessOffloadingConnector):  # type: ignore[misc,name-defined]
+class MisreadingConnector(harness.HarnessOffloadingConnector):  # type: ignore[misc,unused-ignore]
     """A connector whose worker reads the spec wrong (8 KV heads where the cache has 4), while the
     connector's own KVCacheConfig is right: only the sanitizer can see the bad view."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         wrong = harness.build("full_attention_lbnhc", "cpu", worker_page_too_big=True)
-        self.connector_worker.kv_cache_config = wrong.worker_kv_cache_config
+        worker: Any = self.connector_worker
+        worker.kv_cache_config = wrong.worker_kv_cache_config
 
 
 @pytest.fixture
@@ -164,9 +167,9 @@ def plugin() -> Iterator[Any]:
     saved = KVConnectorFactory.__dict__["create_connector"]
     harness.reset_general_plugins()
     with capture_events() as events:
-        vllm.plugins.load_general_plugins()
+        vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call,unused-ignore]
         yield events
-    KVConnectorFactory.create_connector = saved
+    setattr(KVConnectorFactory, "create_connector", saved)  # noqa: B010
     harness.reset_general_plugins()
     safeview.reset_logging()
 
@@ -185,10 +188,12 @@ def test_a_clean_registration_through_the_factory_runs_the_worker_unchanged(
 ) -> None:
     plain = harness.build("full_attention_lbnhc", "cpu")
     run = harness.run_via_connector(plain)
-    assert len(run.views) == 3 and not run.reallocated
+    assert len(run.views) == 3
+    assert not run.reallocated
     assert run.connector.register_kv_caches.__safeview_guarded__
     [summary] = [e for e in plugin if e["event"] == "registration_checked"]
-    assert summary["source"] == "vllm" and summary["violations"] == 0
+    assert summary["source"] == "vllm"
+    assert summary["violations"] == 0
 
 
 def test_aliasing_is_refused_before_the_worker_runs(plugin: list[dict[str, Any]]) -> None:
@@ -207,7 +212,8 @@ def test_a_bad_view_made_inside_the_connector_is_refused_by_the_sanitizer(
     with pytest.raises(BoundsError) as caught:
         harness.run_via_connector(built, connector="MisreadingConnector", module_path=__name__)
     assert caught.value.op == "aten::set_"
-    assert caught.value.site is not None and "offloading/worker.py" in caught.value.site
+    assert caught.value.site is not None
+    assert "offloading/worker.py" in caught.value.site
     assert (built.storage.data_ptr(), built.storage.nbytes()) == before
 
 
@@ -255,15 +261,15 @@ def test_under_warn_the_server_log_shows_the_violation_and_vllm_runs() -> None:
     # register_kv_caches (here the harness), not inside safeview
     [line] = [line for line in output.splitlines() if "event='overlap_violation'" in line]
     assert " WARNING " in line
-    assert "[vllm_harness.py:" in line and "views=['model.layers.0.self_attn.attn'" in line
+    assert "[vllm_harness.py:" in line
+    assert "views=['model.layers.0.self_attn.attn'" in line
 
 
 def test_under_strict_the_refusal_is_in_the_server_log_and_stops_the_registration() -> None:
     outcome, output = _run_with()
     assert outcome == {"guarded": True, "error": "OverlapError", "views": 0}
     assert any(
-        " ERROR " in line and "event='overlap_violation'" in line
-        for line in output.splitlines()
+        " ERROR " in line and "event='overlap_violation'" in line for line in output.splitlines()
     )
     assert any("event='integration_installed'" in line for line in output.splitlines())
 
@@ -280,7 +286,8 @@ def test_a_vllm_without_the_factory_gets_one_warning_and_no_patching(
         register_plugin()  # must not raise
     safeview.reset_logging()
     [event] = [e for e in events if e["event"].startswith("integration_")]
-    assert event["event"] == "integration_unavailable" and event["level"] == "warning"
+    assert event["event"] == "integration_unavailable"
+    assert event["level"] == "warning"
     assert "KVConnectorFactory" in event["reason"]
 
 

@@ -108,6 +108,7 @@ CASES: tuple[str, ...] = (
     "full_attention_blhnc",
     "kernel_block_8",
     "mla_indexer_packed",
+    "glm_packed",
     "attention_mamba",
     "two_page_sizes",
     "vllm_test_worker",
@@ -234,6 +235,33 @@ def _planned(
     return vllm_config, config
 
 
+def _glm_specs() -> dict[str, Any]:
+    """GLM-5.2-FP8 on one rank: 79 MLA layers (576 B/token, fp8) and 22 indexers (132 B/token),
+    64 tokens a block, in one packed group: pages of 36,864 and 8,448, block stride 3,098,112."""
+    mla = MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=576,
+        dtype=torch.uint8,
+        is_index_group_leader=True,
+    )
+    indexer = MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=132,
+        dtype=torch.uint8,
+        cache_role=SparseCacheRole.INDEXER,
+    )
+    specs: dict[str, Any] = {}
+    for i in range(79):
+        specs[f"model.layers.{i}.self_attn.attn"] = mla
+        if i < 22:
+            specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = indexer
+    return specs
+
+
 def _dsv32_specs() -> dict[str, Any]:
     mla = MLAAttentionSpec(
         block_size=_DSV32_BLOCK_SIZE,
@@ -353,6 +381,9 @@ def _vllm_test_worker_uniform_config() -> Any:
 
 def default_num_blocks(case: str, device: str) -> int:
     """Blocks per case: small on cpu (at most ~6 MB), realistic on meta where that is free."""
+    if case == "glm_packed":
+        # cpu: 2 x 3,098,112 = 6.2 MB; meta: 42,072 blocks, 130,343,768,064 bytes (FACTS.md).
+        return 2 if device != "meta" else 42_072
     if case == "mla_indexer_packed":
         # cpu: 2 x 3,076,352 = 6.2 MB; meta: the 42,072 blocks of a real GLM-5.2 report.
         return 2 if device != "meta" else 42_072
@@ -377,6 +408,9 @@ def _plan_case(case: str, num_blocks: int) -> tuple[Any, Any, str, list[int]]:
     if case == "mla_indexer_packed":
         vllm_config, config = _planned(_dsv32_specs(), "BLHNC", num_blocks, 1)
         return vllm_config, config, "BLHNC", [_DSV32_BLOCK_SIZE] * len(config.kv_cache_groups)
+    if case == "glm_packed":
+        vllm_config, config = _planned(_glm_specs(), "BLHNC", num_blocks, 1)
+        return vllm_config, config, "BLHNC", [64] * len(config.kv_cache_groups)
     if case == "attention_mamba":
         specs = {
             "model.layers.0.self_attn.attn": _attn_spec(),
