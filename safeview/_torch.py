@@ -344,7 +344,6 @@ class ViewGuard(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignor
         self.on_error = on_error
 
 
-
 def _dispatch(
     self: ViewGuard,
     func: Any,

@@ -307,7 +307,7 @@ def register(
     }
     past_end = {f.views[0] for f in report.findings if f.kind == "out_of_bounds"}
     made: list[torch.Tensor] = []
-    for layer, record in zip(planned.layers, planned.records):
+    for record in planned.records:
         try:
             view = _torch.strided_view(
                 bases[record.storage], record.shape, record.strides, record.byte_offset

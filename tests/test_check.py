@@ -160,3 +160,12 @@ def test_bytes_covered_and_min_slack_are_the_views_own_numbers() -> None:
     assert sum(view.nbytes for view in report.views) == 3 * 8 + 3 * 24
     assert report.min_slack_bytes() == 100 - (8 + 2 * 32 + 24)
     assert [row["status"] for row in report.rows()] == ["ok", "ok"]
+
+
+def test_a_dlpack_alias_is_another_storage_over_the_same_memory_and_is_compared() -> None:
+    kv = torch.zeros(1024, dtype=torch.int8)
+    alias = torch.utils.dlpack.from_dlpack(kv)
+    assert alias.untyped_storage()._cdata != kv.untyped_storage()._cdata
+    report = check_tensors({"a": kv[:512], "b": alias[256:768]}, policy="warn")
+    [finding] = report.findings
+    assert (finding.kind, finding.views, finding.byte) == ("overlap", ("a", "b"), 256)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from safeview import BlockLayout, BoundsError, Policy, make_view
+from safeview import BlockLayout, BoundsError, Policy, make_view, sanitize
 from safeview.kv import block_views
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -38,13 +38,40 @@ def test_cuda_storage_is_never_moved_or_grown(policy: Policy) -> None:
     assert (storage.data_ptr(), storage.nbytes()) == before
 
 
-def test_cuda_set_hazard_is_real() -> None:
+def test_cuda_sanitizer_stops_the_reallocating_set_that_runs_without_it() -> None:
     victim = torch.zeros(64, dtype=torch.int8, device="cuda")
     storage = victim.untyped_storage()
     pointer = storage.data_ptr()
+    with pytest.raises(BoundsError) as caught, sanitize():
+        torch.empty(0, dtype=torch.int8, device="cuda").set_(storage, 0, (5, 16), (16, 1))
+    assert (storage.data_ptr(), storage.nbytes()) == (pointer, 64)
+    assert caught.value.op == "aten::set_"
+    assert caught.value.device.startswith("cuda")
     torch.empty(0, dtype=torch.int8, device="cuda").set_(storage, 0, (5, 16), (16, 1))
-    assert storage.nbytes() == 80
+    assert storage.nbytes() == 80  # what it stopped
     assert storage.data_ptr() != pointer
+
+
+def test_cuda_sanitizer_returns_the_views_torch_makes_and_records_them() -> None:
+    kv = torch.zeros(8 * 4096, dtype=torch.int8, device="cuda")
+    plain = torch.as_strided(kv, (8, 1024), (4096, 1), 1024)
+    with sanitize() as seen:
+        guarded = torch.as_strided(kv, (8, 1024), (4096, 1), 1024)
+    assert guarded.data_ptr() == plain.data_ptr()
+    assert guarded.stride() == plain.stride()
+    [view] = seen.views
+    assert (view.byte_offset, view.extent_bytes) == (1024, 7 * 4096 + 2048)
+    assert view.device.startswith("cuda")
+
+
+def test_cuda_two_storages_over_one_allocation_are_compared_by_address() -> None:
+    from safeview.kv import check_tensors
+
+    kv = torch.zeros(1024, dtype=torch.int8, device="cuda")
+    alias = torch.utils.dlpack.from_dlpack(kv)  # the same memory through DLPack
+    caches = {"a": kv[:512], "b": alias[256:768]}
+    report = check_tensors(caches, policy="warn")
+    assert [f.kind for f in report.findings] == ["overlap"]
 
 
 def test_cuda_block_views_of_a_packed_cache() -> None:

@@ -181,6 +181,10 @@ def test_the_plugin_is_found_by_vllm_and_guards_the_factory(plugin: list[dict[st
     assert getattr(create, "__safeview_guarded__", False)
     [installed] = [e for e in plugin if e["event"] == "integration_installed"]
     assert installed["version"] == "0.33.0"
+    # its keys are the README's (the one event the main test run cannot provoke)
+    from test_readme import ALWAYS, _documented_keys
+
+    assert set(installed) - ALWAYS == _documented_keys()["integration_installed"]
 
 
 def test_a_clean_registration_through_the_factory_runs_the_worker_unchanged(
