@@ -30,6 +30,7 @@ __all__ = [
     "StorageFacts",
     "ViewGuard",
     "base_tensor",
+    "block_geometry",
     "geometry",
     "is_strided_tensor",
     "storage_facts",
@@ -132,6 +133,21 @@ def geometry(tensor: torch.Tensor) -> Geometry:
     )
 
 
+def block_geometry(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int, int, int]:
+    """What a block view of a layer's cache is made from: its untyped storage, its first byte,
+    its block stride in bytes (``stride(0)``) and its number of blocks (``shape[0]``); both 0 for
+    a 0-d tensor."""
+    itemsize = tensor.element_size()
+    if tensor.dim() == 0:
+        return tensor.untyped_storage(), int(tensor.storage_offset()) * itemsize, 0, 0
+    return (
+        tensor.untyped_storage(),
+        int(tensor.storage_offset()) * itemsize,
+        int(tensor.stride(0)) * itemsize,
+        int(tensor.shape[0]),
+    )
+
+
 def base_tensor(
     tensor: torch.Tensor | None, storage: torch.UntypedStorage, dtype_: torch.dtype
 ) -> torch.Tensor:
@@ -196,37 +212,20 @@ def _ints(values: Sequence[Any]) -> tuple[int, ...]:
     return tuple(map(int, values))
 
 
-def _set_storage(args: Sequence[Any], kwargs: dict[str, Any]) -> Op | None:
-    # set_(self, source: Storage, storage_offset, size, stride=()): offset and strides count
-    # elements of self's dtype, from byte 0 of the storage.
+def _set_with_geometry(args: Sequence[Any], kwargs: dict[str, Any]) -> Op | None:
+    # set_(self, source, storage_offset, size, stride=()), source a storage or a tensor: the
+    # offset and strides count elements of self's dtype, from byte 0 of the source's storage.
     self, source = args[0], args[1]
     offset, size = args[2], args[3]
     stride = args[4] if len(args) > 4 else kwargs.get("stride", ())
+    if isinstance(source, torch.Tensor):
+        source = source.untyped_storage()
     itemsize = self.element_size()
     shape = _ints(size)
     strides = _ints(stride) if len(stride) else _contiguous(shape)
     return Op(
         "aten::set_",
         storage_facts(source),
-        int(offset) * itemsize,
-        shape,
-        strides,
-        itemsize,
-        dtype_name(self.dtype),
-        _site(),
-    )
-
-
-def _set_tensor_offset(args: Sequence[Any], kwargs: dict[str, Any]) -> Op | None:
-    self, source = args[0], args[1]
-    offset, size = args[2], args[3]
-    stride = args[4] if len(args) > 4 else kwargs.get("stride", ())
-    itemsize = self.element_size()
-    shape = _ints(size)
-    strides = _ints(stride) if len(stride) else _contiguous(shape)
-    return Op(
-        "aten::set_",
-        storage_facts(source.untyped_storage()),
         int(offset) * itemsize,
         shape,
         strides,
@@ -318,8 +317,8 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 _WATCHED: dict[Any, Callable[[Sequence[Any], dict[str, Any]], Op | None]] = {
-    _aten.set_.source_Storage_storage_offset: _set_storage,
-    _aten.set_.source_Tensor_storage_offset: _set_tensor_offset,
+    _aten.set_.source_Storage_storage_offset: _set_with_geometry,
+    _aten.set_.source_Tensor_storage_offset: _set_with_geometry,
     _aten.set_.source_Tensor: _set_tensor,
     _aten.as_strided.default: _as_strided,
     _aten.as_strided_.default: _as_strided_,

@@ -100,7 +100,7 @@ def _tensors(layer: str, value: object) -> list[torch.Tensor]:
     return list(tensors)
 
 
-class Storages:
+class _Storages:
     """The distinct storages behind a set of tensors, named ``storage0``, ``storage1``, ... in
     order of first appearance, with the memory each lies in."""
 
@@ -163,7 +163,7 @@ class _Planned:
     collector scan the host's heap."""
 
     def __init__(self) -> None:
-        self.storages = Storages()
+        self.storages = _Storages()
         self.records: list[ViewRecord] = []
         self.layers: list[str] = []
         self.tensors: list[torch.Tensor] = []
@@ -178,6 +178,37 @@ class _Planned:
         self.records.append(record)
         self.layers.append(layer)
         self.tensors.append(tensor)
+
+    def add_block(
+        self,
+        layer: str,
+        tensor: torch.Tensor,
+        *,
+        name: str,
+        storage: str,
+        byte_offset: int,
+        num_blocks: int,
+        page_bytes: int,
+        block_stride_bytes: int,
+        group: Hashable | None,
+        region: tuple[int, int] | None = None,
+    ) -> None:
+        """Plan the int8 ``(num_blocks, page_bytes)`` view with strides
+        ``(block_stride_bytes, 1)`` that ``layer`` gets from ``tensor``."""
+        self.add(
+            layer,
+            tensor,
+            ViewRecord(
+                name,
+                storage,
+                byte_offset,
+                self.pair(num_blocks, page_bytes),
+                self.pair(block_stride_bytes, 1),
+                1,
+                group,
+                region,
+            ),
+        )
 
 
 def _region(regions: Mapping[str, Region | Sequence[int]] | None, layer: str) -> Any:
@@ -230,12 +261,12 @@ def block_views(
         tensors = _tensors(layer, value)
         group = groups.get(layer) if groups is not None else None
         region = _region(regions, layer)
-        first = tensors[0]
-        storage = planned.storages.name(first.untyped_storage())
+        first, offset, stride, rows = _torch.block_geometry(tensors[0])
+        storage = planned.storages.name(first)
         if explicit is not None:
             planned.add(
                 layer,
-                first,
+                tensors[0],
                 ViewRecord.block(
                     layer,
                     storage,
@@ -250,18 +281,18 @@ def block_views(
             continue
         if kind == "mamba":
             # The state tensors of a block sit one after another in one padded page.
-            offset = int(first.storage_offset()) * first.element_size()
-            record = ViewRecord(
+            planned.add_block(
                 layer,
-                storage,
-                offset,
-                planned.pair(blocks, page),
-                planned.pair(page, 1),
-                1,
-                group,
-                region,
+                tensors[0],
+                name=layer,
+                storage=storage,
+                byte_offset=offset,
+                num_blocks=blocks,
+                page_bytes=page,
+                block_stride_bytes=page,
+                group=group,
+                region=region,
             )
-            planned.add(layer, first, record)
             continue
         if len(tensors) > 1 and page % len(tensors):
             raise ArgumentError(
@@ -272,28 +303,24 @@ def block_views(
         is_packed = layer in packed
         for index, tensor in enumerate(tensors):
             if index:
-                storage = planned.storages.name(tensor.untyped_storage())
-            size = tensor.element_size()
-            stride = tensor.stride(0) * size if is_packed and tensor.dim() else part
-            name = layer if len(tensors) == 1 else f"{layer}[{index}]"
-            planned.add(
+                first, offset, stride, rows = _torch.block_geometry(tensor)
+                storage = planned.storages.name(first)
+            planned.add_block(
                 layer,
                 tensor,
-                ViewRecord(
-                    name,
-                    storage,
-                    int(tensor.storage_offset()) * size,
-                    planned.pair(blocks, part),
-                    planned.pair(stride, 1),
-                    1,
-                    group,
-                    region,
-                ),
+                name=layer if len(tensors) == 1 else f"{layer}[{index}]",
+                storage=storage,
+                byte_offset=offset,
+                num_blocks=blocks,
+                page_bytes=part,
+                block_stride_bytes=stride if is_packed and (stride or rows) else part,
+                group=group,
+                region=region,
             )
-    return register(planned, page_bytes, active, source="block_views")
+    return _register(planned, page_bytes, active, source="block_views")
 
 
-def register(
+def _register(
     planned: _Planned, page_bytes: dict[str, int], active: Policy, *, source: str
 ) -> Registration:
     """Judge the planned views once, report, and make them: the shared second half of
@@ -340,7 +367,7 @@ def _per_layer(
     return {layer: tuple(group) for layer, group in grouped.items()}
 
 
-def _bounds_error(finding: Finding, storages: Storages, active: Policy) -> BoundsError:
+def _bounds_error(finding: Finding, storages: _Storages, active: Policy) -> BoundsError:
     assert finding.storage is not None
     facts = storages.facts[finding.storage]
     return BoundsError(
@@ -349,7 +376,7 @@ def _bounds_error(finding: Finding, storages: Storages, active: Policy) -> Bound
 
 
 def _report(
-    report: Report, storages: Storages, active: Policy, *, layers: int, source: str
+    report: Report, storages: _Storages, active: Policy, *, layers: int, source: str
 ) -> None:
     """Log every finding, then the summary; under strict, raise for the findings."""
     strict = active is Policy.STRICT
@@ -397,7 +424,7 @@ def check_tensors(
     ``BoundsError`` or ``OverlapError``; under warn, logs.
     """
     active = current_policy(policy)
-    storages = Storages()
+    storages = _Storages()
     records = []
     for layer, value in kv_caches.items():
         tensors = _tensors(layer, value)
@@ -406,7 +433,7 @@ def check_tensors(
             records.append(
                 ViewRecord(
                     layer if len(tensors) == 1 else f"{layer}[{index}]",
-                    storages.name(tensor.untyped_storage()),
+                    storages.name(_torch.storage_of(tensor)),
                     byte_offset,
                     shape,
                     strides,

@@ -20,9 +20,8 @@ from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from safeview import _torch, log
-from safeview.check import ViewRecord
 from safeview.errors import ArgumentError, SafeViewError
-from safeview.kv import Registration, _Planned, check_tensors, register
+from safeview.kv import Registration, _Planned, _register, check_tensors
 from safeview.policy import PolicyArg, current_policy
 from safeview.sanitize import sanitize
 
@@ -130,46 +129,42 @@ def check_registration(
                 f"got {type(cache).__name__}"
             )
         assert cache is not None
-        byte_offset, block_stride_bytes = _manager_blocks(layer, cache, num_blocks)
+        storage_object, byte_offset, block_stride_bytes = _manager_blocks(layer, cache, num_blocks)
         if not isinstance(spec, attention_spec):
             block_stride_bytes = page
-        storage = planned.storages.name(cache.untyped_storage())
-        planned.add(
+        storage = planned.storages.name(storage_object)
+        planned.add_block(
             layer,
             cache,
-            ViewRecord(
-                layer,
-                storage,
-                byte_offset,
-                planned.pair(num_blocks, page),
-                planned.pair(block_stride_bytes, 1),
-                1,
-                group_id,
-            ),
+            name=layer,
+            storage=storage,
+            byte_offset=byte_offset,
+            num_blocks=num_blocks,
+            page_bytes=page,
+            block_stride_bytes=block_stride_bytes,
+            group=group_id,
         )
         page_bytes[layer] = page
-    return register(planned, page_bytes, active, source="vllm")
+    return _register(planned, page_bytes, active, source="vllm")
 
 
-def _manager_blocks(layer: str, cache: torch.Tensor, num_blocks: int) -> tuple[int, int]:
-    """``byte_offset`` and manager-block stride of a layer's cache, as ``group_kernel_blocks``
-    folds it: a cache of ``ratio * num_blocks`` kernel blocks has a block stride of ``ratio``
-    kernel blocks. A cache with fewer blocks than ``num_blocks`` keeps its own stride, and the
-    bounds check says by how much the view runs past the storage."""
-    itemsize = cache.element_size()
-    byte_offset = int(cache.storage_offset()) * itemsize
-    if cache.dim() == 0:
-        raise ArgumentError(f"kv_caches[{layer!r}] is a 0-d tensor; a layer cache has blocks")
-    kernel_blocks, kernel_stride = int(cache.shape[0]), int(cache.stride(0)) * itemsize
+def _manager_blocks(
+    layer: str, cache: torch.Tensor, num_blocks: int
+) -> tuple[torch.UntypedStorage, int, int]:
+    """The storage, ``byte_offset`` and manager-block stride of a layer's cache, as
+    ``group_kernel_blocks`` folds it: a cache of ``ratio * num_blocks`` kernel blocks has a block
+    stride of ``ratio`` kernel blocks. A cache with fewer blocks than ``num_blocks`` keeps its own
+    stride, and the bounds check says by how much the view runs past the storage."""
+    storage, byte_offset, kernel_stride, kernel_blocks = _torch.block_geometry(cache)
     if kernel_blocks <= num_blocks or num_blocks == 0:
-        return byte_offset, kernel_stride
+        return storage, byte_offset, kernel_stride
     if kernel_blocks % num_blocks:
         raise ArgumentError(
             f"layer {layer!r}: its cache has {kernel_blocks} blocks, which do not fold into "
             f"num_blocks={num_blocks} manager blocks (vLLM would stop on an empty "
             "AssertionError in group_kernel_blocks)"
         )
-    return byte_offset, kernel_stride * (kernel_blocks // num_blocks)
+    return storage, byte_offset, kernel_stride * (kernel_blocks // num_blocks)
 
 
 # -- the plugin --------------------------------------------------------------------------------

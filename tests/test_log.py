@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import safeview
 from safeview import BlockLayout, BoundsError, StridedLayout, configure_logging, make_view
 from safeview.log import ENV_LOG_FORMAT
 
@@ -48,7 +49,8 @@ def test_view_created_is_one_json_line_with_the_documented_keys() -> None:
     assert event["extent_bytes"] == LAYOUT.extent_bytes == 88
     assert event["limit_bytes"] == 128
     assert event["slack_bytes"] == 40
-    stamp = datetime.fromisoformat(event["timestamp"])
+    assert event["timestamp"].endswith("Z")  # UTC, written the short way
+    stamp = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00"))
     assert stamp.utcoffset() == timedelta(0)
     assert abs(datetime.now(timezone.utc) - stamp) < timedelta(minutes=5)
 
@@ -176,3 +178,35 @@ def test_invalid_log_format_variable_is_a_config_error() -> None:
     assert "SAFEVIEW_LOG_FORMAT='yaml' is not a valid value; allowed values: json, console" in (
         result.stderr
     )
+
+
+def test_configured_events_do_not_also_reach_the_root_handlers() -> None:
+    seen: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    root = logging.getLogger()
+    collector = Collect(logging.DEBUG)
+    root.addHandler(collector)
+    try:
+        out = io.StringIO()
+        configure_logging("json", level="DEBUG", stream=out)
+        make_view(torch.zeros(128, dtype=torch.int8), LAYOUT)
+        assert len(_lines(out)) == 1
+        assert seen == []  # no doubled line through the root logger
+        safeview.reset_logging()
+        logging.getLogger("safeview").setLevel(logging.DEBUG)
+        make_view(torch.zeros(128, dtype=torch.int8), LAYOUT)
+        assert len(seen) == 1  # unconfigured, events propagate to the application's handlers
+    finally:
+        root.removeHandler(collector)
+
+
+def test_records_point_at_the_caller_not_at_safeview(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="safeview"):
+        make_view(torch.zeros(128, dtype=torch.int8), LAYOUT, name="layer.0")
+    [record] = caplog.records
+    assert record.pathname == __file__
+    assert record.funcName == "test_records_point_at_the_caller_not_at_safeview"

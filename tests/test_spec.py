@@ -282,3 +282,13 @@ def test_one_element_tensors_and_arrays_are_not_integer_scalars(value: object) -
     assert (
         BlockLayout(num_blocks=torch.tensor(4), page_bytes=8, block_stride_bytes=8).num_blocks == 4
     )
+
+
+def test_nbytes_counts_the_elements_held_not_the_span() -> None:
+    typed = StridedLayout(shape=(2, 3, 4), strides=(64, 8, 1), dtype="float32")
+    assert typed.nbytes == 2 * 3 * 4 * 4
+    assert typed.extent_bytes == 4 * (64 + 2 * 8 + 3 + 1)
+    assert StridedLayout(shape=(0, 5), strides=(5, 1), dtype="float16").nbytes == 0
+    block = BlockLayout(num_blocks=3, page_bytes=16, block_stride_bytes=64)
+    assert block.nbytes == 48
+    assert block.extent_bytes == 2 * 64 + 16
