@@ -3,8 +3,8 @@ event table, and nothing else in the package builds an event.
 
 safeview never configures logging on import: the ``safeview`` logger has a ``NullHandler`` (the
 stdlib rule for libraries) and its events reach whatever handlers the application set up, as a
-``key=value`` message with the event's fields on the record as ``record.safeview_event`` and the
-record's file and line those of the caller outside safeview. ``configure_logging`` (or the
+``key=value`` message (values in JSON) with the event's fields on the record as
+``record.safeview_event``, and the record's file and line those of the caller outside safeview. ``configure_logging`` (or the
 environment variable ``SAFEVIEW_LOG_FORMAT``) writes each event as a JSON or console line, or
 hands the events to a host's handlers. An event is built only when its level is enabled, and a
 handler that fails never changes what safeview returns or raises.
@@ -12,14 +12,13 @@ handler that fails never changes what safeview returns or raises.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import IO, TYPE_CHECKING, Any, Literal
-
-import structlog
 
 from safeview.errors import ConfigError
 
@@ -44,7 +43,6 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 
 stdlib_logger = logging.getLogger(LOGGER_NAME)
 stdlib_logger.addHandler(logging.NullHandler())
-_key_values = structlog.processors.KeyValueRenderer(key_order=["event"])
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # Frames skipped to find the caller a record points at: safeview's own, and torch's dispatcher
 # for the events the sanitizer emits from inside an op.
@@ -54,6 +52,12 @@ _SKIPPED = (_PACKAGE + os.sep, os.sep + "torch" + os.sep)
 def enabled(level: int) -> bool:
     """Whether an event at ``level`` would be seen; check this before building one."""
     return stdlib_logger.isEnabledFor(level)
+
+
+def _message(fields: dict[str, Any]) -> str:
+    """``event="view_created" name="layers.0" ...``: the event for a plain handler's line, each
+    value written as JSON (so it reads the same in every log and parses back)."""
+    return " ".join(f"{key}={json.dumps(value, default=str)}" for key, value in fields.items())
 
 
 def _caller() -> tuple[str, int, str]:
@@ -74,7 +78,7 @@ def _emit(level: int, fields: dict[str, Any]) -> None:
             level,
             path,
             line,
-            _key_values(None, "", dict(fields)),
+            _message(fields),
             (),
             None,
             function,
@@ -309,6 +313,8 @@ class EventFormatter(logging.Formatter):
         if format not in FORMATS:
             raise ConfigError("format", format, FORMATS)
         self.format_name = format
+        import structlog  # only where events are rendered: the command line does not pay for it
+
         self._render: Any = (
             structlog.processors.JSONRenderer()
             if format == "json"

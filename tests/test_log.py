@@ -120,7 +120,8 @@ def test_plain_stdlib_handlers_get_a_readable_message_and_the_fields(
         make_view(torch.zeros(128, dtype=torch.int8), LAYOUT, name="layer.0")
     [record] = caplog.records
     assert record.name == "safeview"
-    assert record.getMessage().startswith("event='view_created' name='layer.0'")
+    assert record.getMessage().startswith('event="view_created" name="layer.0" policy="strict"')
+    assert " region=null" not in record.getMessage()  # no region given, no key
     assert record.safeview_event["extent_bytes"] == 88  # type: ignore[attr-defined]
 
 

@@ -263,19 +263,19 @@ def test_under_warn_the_server_log_shows_the_violation_and_vllm_runs() -> None:
     assert outcome == {"guarded": True, "error": None, "views": 3}
     # the event arrives through vLLM's own handler, in vLLM's format, located at the caller of
     # register_kv_caches (here the harness), not inside safeview
-    [line] = [line for line in output.splitlines() if "event='overlap_violation'" in line]
+    [line] = [line for line in output.splitlines() if 'event="overlap_violation"' in line]
     assert " WARNING " in line
     assert "[vllm_harness.py:" in line
-    assert "views=['model.layers.0.self_attn.attn'" in line
+    assert 'views=["model.layers.0.self_attn.attn"' in line
 
 
 def test_under_strict_the_refusal_is_in_the_server_log_and_stops_the_registration() -> None:
     outcome, output = _run_with()
     assert outcome == {"guarded": True, "error": "OverlapError", "views": 0}
     assert any(
-        " ERROR " in line and "event='overlap_violation'" in line for line in output.splitlines()
+        " ERROR " in line and 'event="overlap_violation"' in line for line in output.splitlines()
     )
-    assert any("event='integration_installed'" in line for line in output.splitlines())
+    assert any('event="integration_installed"' in line for line in output.splitlines())
 
 
 def test_a_vllm_without_the_factory_gets_one_warning_and_no_patching(
