@@ -4,10 +4,11 @@ event table, and nothing else in the package builds an event.
 safeview never configures logging on import: the ``safeview`` logger has a ``NullHandler`` (the
 stdlib rule for libraries) and its events reach whatever handlers the application set up, as a
 ``key=value`` message (values in JSON) with the event's fields on the record as
-``record.safeview_event``, and the record's file and line those of the caller outside safeview. ``configure_logging`` (or the
-environment variable ``SAFEVIEW_LOG_FORMAT``) writes each event as a JSON or console line, or
-hands the events to a host's handlers. An event is built only when its level is enabled, and a
-handler that fails never changes what safeview returns or raises.
+``record.safeview_event``, and the record's file and line those of the caller outside
+safeview. ``configure_logging`` (or the environment variable ``SAFEVIEW_LOG_FORMAT``) writes each
+event as a JSON or console line, or hands the events to a host's handlers. An event is built
+only when its level is enabled, and a handler that fails never changes what safeview returns or
+raises.
 """
 
 from __future__ import annotations
