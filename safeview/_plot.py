@@ -1,8 +1,11 @@
 """``safeview check --map``: a picture of each storage. Needs matplotlib (``safeview[plot]``).
 
 A storage whose views share one block stride is drawn as one block period, each view's page a
-band at its place in the block; any other storage is drawn whole, to scale. Views with a violation
-are red, with its kind written beside them; the other views are coloured by group.
+band at its place in the block; any other storage is drawn whole, to scale. When a view of a
+block-period storage runs past the end, a second panel shows the end of that storage to scale:
+the last blocks, the end line and the bytes past it, hatched. Views with a violation are red, with
+its kind written beside them; the other views are coloured by group, with the legend under the
+panel, never over the bars.
 """
 
 from __future__ import annotations
@@ -35,6 +38,72 @@ def _segments_in_period(view: PlanView, stride: int) -> list[tuple[int, int]]:
     return segments
 
 
+def _period(views: list[PlanView]) -> int | None:
+    """The block stride a storage's views share, when they leave gaps (a packed group)."""
+    strides = {view.block_stride_bytes for view in views if view.num_blocks > 1}
+    gapped = any(view.page_bytes < view.block_stride_bytes for view in views if view.num_blocks > 1)
+    return next(iter(strides)) if len(strides) == 1 and gapped else None
+
+
+def panels(plan: Plan, report: Report) -> list[tuple[str, str]]:
+    """The panels of the picture, top to bottom: ``("storage", name)`` for each storage, then
+    ``("end", name)`` right under it when that storage is drawn as one block period and a view
+    runs past its end (the period alone cannot show where the storage stops)."""
+    extents = {view.name: view.extent_bytes for view in report.views}
+    drawn = []
+    for storage in plan.storages:
+        views = [view for view in plan.views if view.storage == storage.name]
+        drawn.append(("storage", storage.name))
+        if _period(views) is not None and any(extents[v.name] > storage.nbytes for v in views):
+            drawn.append(("end", storage.name))
+    return drawn
+
+
+def _draw_end(ax: Any, plan: Plan, report: Report, storage: str) -> None:
+    """The end of a block-period storage, to scale: two periods before the end and every byte
+    past it, each view's blocks there, the part past the end hatched."""
+    views = [view for view in plan.views if view.storage == storage]
+    nbytes = next(s.nbytes for s in plan.storages if s.name == storage)
+    period = _period(views) or 1
+    extents = {view.name: view.extent_bytes for view in report.views}
+    start = max(0, nbytes - 2 * period)
+    stop = max(extents[view.name] for view in views)
+    for row, view in enumerate(views):
+        first = max(0, (start - view.byte_offset - view.page_bytes) // view.block_stride_bytes)
+        inside, outside = [], []
+        for block in range(first, view.num_blocks):
+            begin = view.byte_offset + block * view.block_stride_bytes
+            if begin >= stop:
+                break
+            end = begin + view.page_bytes
+            if end <= start:
+                continue
+            if begin < nbytes:
+                inside.append((max(begin, start), min(end, nbytes) - max(begin, start)))
+            if end > nbytes:
+                outside.append((max(begin, nbytes), end - max(begin, nbytes)))
+        past = extents[view.name] > nbytes
+        ax.broken_barh(inside, (row - 0.4, 0.8), facecolors=RED if past else "#c7c7c7")
+        ax.broken_barh(outside, (row - 0.4, 0.8), facecolors=RED, hatch="///", edgecolor="white")
+    ax.axvline(nbytes, color="black", linewidth=1.2)
+    ax.text(nbytes, len(views) - 1, " end of storage", fontsize=8, va="center")
+    ax.set_xlim(start, stop + (stop - start) * 0.02)
+    ax.set_ylim(len(views) - 0.4, -1.0)
+    ax.set_yticks(range(len(views)))
+    ax.set_yticklabels([view.name for view in views], fontsize=7)
+    worst = max(extents[view.name] for view in views) - nbytes
+    ax.set_title(
+        f"the end of storage {storage!r}, to scale: views in red run past byte {nbytes:,}, "
+        f"by up to {worst:,} bytes (hatched)",
+        fontsize=9,
+        loc="left",
+    )
+    ax.set_xlabel("byte of the storage", fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x):,}"))
+    ax.grid(axis="x", alpha=0.3)
+
+
 def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     views = [view for view in plan.views if view.storage == storage]
     nbytes = next(s.nbytes for s in plan.storages if s.name == storage)
@@ -42,10 +111,8 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     status = {row["name"]: row["status"] for row in rows}
     extents = {row["name"]: row["extent_bytes"] for row in rows}
     groups = list(dict.fromkeys(view.group for view in views))
-    strides = {view.block_stride_bytes for view in views if view.num_blocks > 1}
-    gapped = any(view.page_bytes < view.block_stride_bytes for view in views if view.num_blocks > 1)
     # One block period says it all for a packed group; contiguous views are drawn to scale.
-    period = next(iter(strides)) if len(strides) == 1 and gapped else None
+    period = _period(views)
     limit = period if period is not None else max([nbytes, *(extents[view.name] for view in views)])
     for row, view in enumerate(views):
         bad = status[view.name] != "ok"
@@ -78,7 +145,7 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     ax.set_xlim(0, limit)
     ax.set_ylim(len(views) - 0.4, -1.0)
     ax.set_yticks(range(len(views)))
-    ax.set_yticklabels([view.name for view in views], fontsize=7 if len(views) <= 40 else 5.5)
+    ax.set_yticklabels([view.name for view in views], fontsize=7)
     if period is not None:
         blocks = max((view.num_blocks for view in views), default=0)
         ax.set_title(
@@ -98,25 +165,34 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
             Patch(color=GROUP_COLOURS[i % len(GROUP_COLOURS)], label=f"group {group}")
             for i, group in enumerate(groups)
         ]
-        ax.legend(handles=handles, fontsize=6, loc="lower right", framealpha=0.9)
+        # under the panel, below the axis label: never over the bars
+        ax.legend(
+            handles=handles,
+            fontsize=7,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.12 - 3.0 / max(len(views), 8)),
+            ncol=min(len(handles), 6),
+            frameon=False,
+        )
     ax.grid(axis="x", alpha=0.3)
 
 
 def draw_map(plan: Plan, report: Report, path: str | Path) -> None:
     """Write a PNG of every storage of ``plan``, marked with ``report``'s findings."""
+    drawn = panels(plan, report)
     heights = [
-        1.2 + 0.16 * sum(1 for view in plan.views if view.storage == storage.name)
-        for storage in plan.storages
+        1.5 + 0.16 * sum(1 for view in plan.views if view.storage == storage)
+        for _, storage in drawn
     ]
     figure, axes = plt.subplots(
-        len(plan.storages),
+        len(drawn),
         1,
         figsize=(11, sum(heights) + 0.6),
         squeeze=False,
         gridspec_kw={"height_ratios": heights},
     )
-    for ax, storage in zip(axes[:, 0], plan.storages):
-        _draw_storage(ax, plan, report, storage.name)
+    for ax, (kind, storage) in zip(axes[:, 0], drawn):
+        (_draw_storage if kind == "storage" else _draw_end)(ax, plan, report, storage)
     verdict = "clean" if report.ok else f"{len(report.findings)} violation(s), in red"
     figure.suptitle(f"{plan.description or Path(str(path)).stem}: {verdict}", fontsize=10)
     figure.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.45 / (sum(heights) + 0.6)))
