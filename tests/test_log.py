@@ -211,3 +211,30 @@ def test_records_point_at_the_caller_not_at_safeview(caplog: pytest.LogCaptureFi
     [record] = caplog.records
     assert record.pathname == __file__
     assert record.funcName == "test_records_point_at_the_caller_not_at_safeview"
+
+
+def test_forwarded_events_reach_a_vllm_style_handler_with_level_time_logger_and_line() -> None:
+    # a host set up as vLLM sets itself up: its own handler and format, no propagation
+    host = logging.getLogger("host_like_vllm")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(
+        logging.Formatter(
+            "%(levelname)s %(asctime)s [%(name)s %(filename)s:%(lineno)d] %(message)s"
+        )
+    )
+    host.addHandler(handler)
+    host.propagate = False
+    try:
+        configure_logging(forward_to="host_like_vllm", level="INFO")
+        meta = torch.empty(64, dtype=torch.int8, device="meta")
+        line_number = sys._getframe().f_lineno + 1
+        make_view(meta, LAYOUT.model_copy(update={"num_blocks": 5}), name="l0", policy="warn")
+        [line] = out.getvalue().splitlines()
+        level, day, _time, origin = line.split(" ")[:4]
+        assert level == "WARNING"
+        assert datetime.strptime(day, "%Y-%m-%d")
+        assert origin == f"[safeview:test_log.py:{line_number}]"
+        assert 'event="bounds_violation" name="l0"' in line
+    finally:
+        host.removeHandler(handler)
