@@ -220,7 +220,7 @@ def test_forwarded_events_reach_a_vllm_style_handler_with_level_time_logger_and_
     handler = logging.StreamHandler(out)
     handler.setFormatter(
         logging.Formatter(
-            "%(levelname)s %(asctime)s [%(name)s %(filename)s:%(lineno)d] %(message)s"
+            "%(levelname)s %(asctime)s [%(name)s:%(filename)s:%(lineno)d] %(message)s"
         )
     )
     host.addHandler(handler)
