@@ -81,4 +81,18 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-configure_from_env()
+def _running_the_command() -> bool:
+    """Whether this process is the ``safeview`` command, which reports a bad environment
+    variable itself, in one line, with exit status 2."""
+    import os
+    import sys
+
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return os.path.basename(sys.argv[0]) == "safeview" or list(argv[1:3]) == ["-m", "safeview"]
+
+
+try:
+    configure_from_env()
+except ConfigError:
+    if not _running_the_command():
+        raise

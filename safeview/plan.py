@@ -13,12 +13,14 @@ import json
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, GetJsonSchemaHandler, ValidationError, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 
 from safeview.check import Report, ViewRecord, check_views
-from safeview.spec import Count, Positive, Region, Spec, field_error
+from safeview.spec import INT64_MAX, Count, Positive, Region, Spec, field_error
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -26,6 +28,20 @@ if TYPE_CHECKING:
 __all__ = ["Plan", "PlanStorage", "PlanView"]
 
 Name = Annotated[str, Field(min_length=1)]
+
+
+class _RegionOrPair:
+    """Publishes what ``Region`` accepts: its object, or a ``[start_byte, end_byte]`` pair."""
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        byte = {"type": "integer", "minimum": 0, "maximum": INT64_MAX}
+        pair = {"type": "array", "items": byte, "minItems": 2, "maxItems": 2}
+        return {"anyOf": [handler(schema), pair]}
+
+
+PlanRegion = Annotated[Region, _RegionOrPair()]
 
 
 class PlanStorage(Spec):
@@ -47,7 +63,7 @@ class PlanView(Spec):
     block_stride_bytes: Positive
     byte_offset: Count = 0
     group: str | int | None = None
-    region: Region | None = None
+    region: PlanRegion | None = None
 
     def record(self) -> ViewRecord:
         return ViewRecord.block(
@@ -154,12 +170,66 @@ class Plan(Spec):
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read and validate a plan file. Raises ``OSError`` or pydantic's ``ValidationError``."""
-        return cls.model_validate_json(Path(path).read_bytes())
+        return cls.from_json(Path(path).read_bytes())
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        """Validate a plan's JSON text. Text that is not JSON, or an object that names a key
+        twice, raises ``ValidationError`` located like any bad field (``views.0.num_blocks``)."""
+        try:
+            data = json.loads(text, object_pairs_hook=_Object, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, NaN
+            raise _plan_error((), text, "json_invalid", f"Invalid JSON: {error}") from None
+        duplicate = _first_duplicate(data, ())
+        if duplicate is not None:
+            loc, key, value = duplicate
+            raise _plan_error(loc, value, "duplicate_key", f"key {key!r} appears more than once")
+        return cls.model_validate(data)
 
     def dump(self, path: str | Path) -> None:
         """Write the plan as indented JSON."""
         data = self.model_dump(mode="json", exclude_none=True)
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+class _Object(dict[str, Any]):
+    """A JSON object that remembers the keys it was given more than once."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        counts = Counter(key for key, _ in pairs)
+        self.duplicates = [key for key, count in counts.items() if count > 1]
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _first_duplicate(
+    value: Any, loc: tuple[str | int, ...]
+) -> tuple[tuple[str | int, ...], str, Any] | None:
+    """Where the first key given twice is: its location, the key and its last value."""
+    if isinstance(value, _Object):
+        if value.duplicates:
+            twice = value.duplicates[0]
+            return (*loc, twice), twice, value[twice]
+        items: Iterable[tuple[str | int, Any]] = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for at, item in items:
+        found = _first_duplicate(item, (*loc, at))
+        if found is not None:
+            return found
+    return None
+
+
+def _plan_error(loc: tuple[str | int, ...], value: Any, kind: str, message: str) -> ValidationError:
+    error = PydanticCustomError(kind, "{message}", {"message": message})
+    return ValidationError.from_exception_data(
+        "Plan", [InitErrorDetails(type=error, loc=loc, input=value)]
+    )
 
 
 def _plan_group(group: Hashable | None) -> str | int | None:

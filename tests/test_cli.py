@@ -1,45 +1,123 @@
-"""The safeview command: exit codes, the table, --json, --map, schema, and no torch."""
+"""The safeview command: exit codes, the output, --json, --map, schema, pipes, and no torch."""
 
 from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from safeview.cli import main
+from safeview.plan import Plan
 
 PLANS = Path(__file__).parent.parent / "examples" / "plans"
+CLEAN = str(PLANS / "vllm_unit_test.json")
+ALIASING = str(PLANS / "broken_aliasing.json")
+TOO_MANY = str(PLANS / "broken_one_block_too_many.json")
+GLM = str(PLANS / "glm_5_2_fp8_packed.json")
 
 
-def _safeview(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
+    return {**env, **extra}
+
+
+def _safeview(
+    *args: str, code: str | None = None, input: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-c", code, *args] if code else [
         sys.executable, "-m", "safeview", *args
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=120, input=input, env=env or _env()
+    )
 
 
-def test_clean_plan_exits_0_with_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", str(PLANS / "vllm_unit_test.json")]) == 0
+def _one_error_line(stderr: str) -> str:
+    """The single ``safeview: ...`` line an error must be."""
+    assert "Traceback" not in stderr
+    [line] = stderr.splitlines()
+    assert line.startswith("safeview: ")
+    return line
+
+
+def test_clean_plan_exits_0_with_the_verdict_and_a_summary(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["check", CLEAN]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"OK {CLEAN} (vLLM unit-test layout")
+    assert len(lines) == 2  # no table unless asked for
+    assert lines[1].startswith("3 views over 1 storage: every view stays inside")
+    assert lines[1].endswith("no two views of one group share a byte.")
+
+
+@pytest.mark.parametrize("flag", ["--table", "-v"])
+def test_the_table_is_shown_only_with_table(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", CLEAN, flag]) == 0
     out = capsys.readouterr().out
     assert "storage 'kv': 491,520 bytes, 3 views" in out
-    assert "layers.2" in out
     assert "327,680" in out
     assert out.strip().endswith("no two views of one group share a byte.")
+    main(["check", CLEAN])
+    assert "491,520" not in capsys.readouterr().out
 
 
 def test_broken_plan_exits_1_and_says_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", str(PLANS / "broken_aliasing.json")]) == 1
-    out = capsys.readouterr().out
-    assert "1 violation(s) in 122 views over 1 storage:" in out
+    assert main(["check", ALIASING]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f"FAIL {ALIASING} (DeepSeek-V3.2, broken: layer 7's MLA page placed on layer 6's)",
+        "  overlap  1 pair of views that share bytes, at byte 302,592: "
+        "'model.layers.6.self_attn' & 'model.layers.7.self_attn'",
+        "1 violation (1 overlap) in 122 views over 1 storage.",
+    ]
+    assert main(["check", ALIASING, "-v"]) == 1
     assert (
-        "overlap  views 'model.layers.6.self_attn' and 'model.layers.7.self_attn' (group 0) "
+        "      views 'model.layers.6.self_attn' and 'model.layers.7.self_attn' (group 0) "
         "both use byte 302592 of storage 'kv'"
-    ) in out
+    ) in capsys.readouterr().out.splitlines()
+
+
+def test_violations_of_one_kind_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", TOO_MANY]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith(f"FAIL {TOO_MANY} (GLM-5.2-FP8")
+    assert lines[1] == (
+        "  out_of_bounds  101 views past the end of their storage by 36,864..3,098,112 bytes: "
+        "'model.layers.0.self_attn', 'model.layers.0.indexer', 'model.layers.1.self_attn' "
+        "and 98 more"
+    )
+    assert lines[2] == "101 violations (101 out_of_bounds) in 101 views over 1 storage."
+
+
+@pytest.mark.parametrize(
+    ("limit", "ending", "sentences"),
+    [("1", ": 'model.layers.0.self_attn' and 100 more", 1), ("0", " bytes, 101 more", 0),
+     ("101", "'model.layers.78.self_attn'", 101), ("500", "'model.layers.78.self_attn'", 101)],
+)  # fmt: skip
+def test_max_violations_caps_what_is_listed(
+    limit: str, ending: str, sentences: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", TOO_MANY, "--max-violations", limit]) == 1
+    [group] = [line for line in capsys.readouterr().out.splitlines() if "out_of_bounds " in line]
+    assert group.endswith(ending)
+    assert main(["check", TOO_MANY, "-v", "--max-violations", limit]) == 1
+    out = capsys.readouterr().out
+    assert out.count("bytes past the end)") == sentences
+
+
+@pytest.mark.parametrize(("plan", "code"), [(CLEAN, 0), (ALIASING, 1), ("missing.json", 2)])
+def test_quiet_prints_nothing_and_sets_the_exit_code(plan: str, code: int) -> None:
+    result = _safeview("check", "-q", plan)
+    assert (result.returncode, result.stdout, result.stderr) == (code, "", "")
 
 
 @pytest.mark.parametrize(
@@ -55,14 +133,34 @@ def test_json_report_lists_violations_by_kind(
     file_name: str, kinds: set[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = main(["check", str(PLANS / file_name), "--json"])
-    report = json.loads(capsys.readouterr().out)
+    document = json.loads(capsys.readouterr().out)
     assert code == (1 if kinds else 0)
+    assert document["schema_version"] == 1
+    assert document["exit_code"] == code
+    assert document["status"] == (sorted(kinds) or ["clean"])
+    [report] = document["plans"]
+    assert report["plan"] == str(PLANS / file_name)
+    assert report["status"] == document["status"]
     assert report["ok"] is (not kinds)
     assert {v["kind"] for v in report["violations"]} == kinds
     for violation in report["violations"]:
         assert violation["views"]
         assert violation["message"]
     assert len(report["views"]) == len(json.loads((PLANS / file_name).read_text())["views"])
+
+
+def test_json_exit_code_is_the_worst_and_status_names_it(tmp_path: Path) -> None:
+    result = _safeview("check", "--json", CLEAN, ALIASING, str(tmp_path / "missing.json"))
+    document = json.loads(result.stdout)
+    assert result.returncode == 2 == document["exit_code"]
+    assert document["status"] == ["error", "overlap"]
+    clean, aliasing, missing = document["plans"]
+    assert (clean["status"], clean["ok"]) == (["clean"], True)
+    assert (aliasing["status"], aliasing["ok"]) == (["overlap"], False)
+    assert (missing["status"], missing["ok"]) == (["error"], False)
+    assert missing["error"].startswith("cannot read")
+    assert "views" not in missing
+    assert _one_error_line(result.stderr).startswith("safeview: cannot read")
 
 
 def test_unreadable_plan_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,10 +177,13 @@ def test_invalid_plan_exits_2_with_the_location(
     path.write_text(json.dumps(plan))
     assert main(["check", str(path), "--json"]) == 2
     captured = capsys.readouterr()
-    assert "views.2.page_bytes: Input should be greater than or equal to 1 (got 0)" in captured.err
-    details = json.loads(captured.out)
-    assert details["ok"] is False
-    assert details["details"][0]["loc"] == "views.2.page_bytes"
+    assert captured.err == (
+        f"safeview: {path} is not a valid plan: views.2.page_bytes: "
+        "Input should be greater than or equal to 1 (got 0)\n"
+    )
+    [report] = json.loads(captured.out)["plans"]
+    assert (report["ok"], report["status"]) == (False, ["error"])
+    assert report["details"][0]["loc"] == "views.2.page_bytes"
 
 
 def test_not_json_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,6 +199,33 @@ def test_map_is_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert target.stat().st_size > 10_000
     assert f"map written to {target}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("suffix", "magic"), [(".svg", b"<?xml"), (".PDF", b"%PDF")])
+def test_map_as_svg_or_pdf(suffix: str, magic: bytes, tmp_path: Path) -> None:
+    target = tmp_path / f"map{suffix}"
+    assert main(["check", CLEAN, "--map", str(target), "-q"]) == 0
+    assert target.read_bytes().startswith(magic)
+
+
+@pytest.mark.parametrize(
+    ("target", "words"),
+    [("map.jpg", "must end in .png, .svg, .pdf"), ("map", "must end in"),
+     ("no/such/folder/map.png", "does not exist")],
+)  # fmt: skip
+def test_map_target_is_refused_before_any_plan_is_read(
+    target: str, words: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    def wasted(*args: Any) -> None:
+        raise AssertionError("a plan was read before the map target was checked")
+
+    monkeypatch.setattr(Plan, "from_json", wasted)
+    assert main(["check", ALIASING, "--map", str(tmp_path / target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert words in _one_error_line(captured.err)
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("file_name", ["vllm_unit_test.json", "qwen3_next_hybrid.json"])
@@ -158,4 +286,188 @@ def test_console_script_is_installed() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["ok"] is True
+    assert json.loads(result.stdout)["plans"][0]["ok"] is True
+
+
+def _plan_text(**view_changes: Any) -> str:
+    plan = json.loads(Path(CLEAN).read_text())
+    plan["views"][0].update(view_changes)
+    return json.dumps(plan)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [(["check", "missing.json"], "cannot read missing.json: No such file or directory"),
+     (["check", "-"], "<stdin> is not a valid plan: (plan): Invalid JSON"),
+     (["check", "plan.json"], "plan.json is not a valid plan: views.0.page_bytes:"),
+     (["check"], "the following arguments are required: PLAN (see 'safeview check --help')"),
+     (["check", "-q", "--json", "x"], "not allowed with argument"),
+     (["check", "x", "--max-violations", "-1"], "expected a count (0 or more), got '-1'"),
+     (["check", "-", "-"], "standard input ('-') can be read only once"),
+     (["check", CLEAN, ALIASING, "--map", "m.png"], "--map draws one plan; 2 were given"),
+     (["frobnicate"], "invalid choice: 'frobnicate'")],
+)  # fmt: skip
+def test_every_error_is_one_line_and_exit_2(args: list[str], words: str, tmp_path: Path) -> None:
+    args = [str(tmp_path / a) if a == "plan.json" else a for a in args]
+    (tmp_path / "plan.json").write_text(_plan_text(page_bytes=0))
+    result = _safeview(*args, input="{not json")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert words in _one_error_line(result.stderr)
+
+
+def test_dash_reads_the_plan_from_standard_input() -> None:
+    result = _safeview("check", "-", input=Path(ALIASING).read_text())
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.startswith("FAIL <stdin> (DeepSeek-V3.2")
+    assert "'model.layers.6.self_attn' & 'model.layers.7.self_attn'" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("plans", "code", "tally"),
+    [([CLEAN, GLM], 0, "2 plans: 2 clean"),
+     ([CLEAN, ALIASING, GLM], 1, "3 plans: 2 clean, 1 with violations"),
+     ([ALIASING, "missing.json", CLEAN], 2, "3 plans: 1 clean, 1 with violations, 1 unusable")],
+)  # fmt: skip
+def test_several_plans_each_get_a_section_and_the_worst_exit_code(
+    plans: list[str], code: int, tally: str
+) -> None:
+    result = _safeview("check", *plans)
+    assert result.returncode == code
+    verdicts = [line for line in result.stdout.splitlines() if line.startswith(("OK ", "FAIL "))]
+    checked = [plan for plan in plans if plan != "missing.json"]
+    assert [verdict.split()[1] for verdict in verdicts] == checked
+    assert result.stdout.splitlines()[-1] == tally
+    assert ("missing.json" in plans) == ("cannot read missing.json" in result.stderr)
+
+
+@pytest.mark.parametrize("output", ["-v", "--json"])
+def test_a_closed_pipe_ends_quietly_with_the_checks_exit_code(output: str) -> None:
+    # 20 clean plans of 101 views each: far more than a pipe holds, so writes meet the closed end
+    command = [sys.executable, "-m", "safeview", "check", output, *[GLM] * 20]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env()
+    ) as process:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        assert process.stdout.readline()
+        process.stdout.close()  # what `| head -1` does
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=120) == 0
+    assert stderr == ""
+
+
+_SLOW = (
+    "import sys, time\n"
+    "from safeview.plan import Plan\n"
+    "from safeview.cli import main\n"
+    "check = Plan.check\n"
+    "Plan.check = lambda self: (time.sleep(float(sys.argv[1])), check(self))[1]\n"
+    "sys.exit(main(sys.argv[2:]))"
+)
+
+
+def _with_terminal_stderr(*args: str) -> tuple[int, str]:
+    """Run the command with standard error on a pseudo-terminal: its exit code and what it wrote
+    there."""
+    primary, secondary = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SLOW, *args], stdout=subprocess.DEVNULL, stderr=secondary,
+        env=_env(),
+    )  # fmt: skip
+    os.close(secondary)
+    written = b""
+    while True:
+        ready, _, _ = select.select([primary], [], [], 60)
+        if not ready:
+            break
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        written += chunk
+    os.close(primary)
+    return process.wait(timeout=60), written.decode()
+
+
+def test_a_slow_check_shows_progress_on_a_terminal() -> None:
+    code, written = _with_terminal_stderr("1.6", "check", GLM)
+    assert code == 0
+    assert "safeview: checking 101 views of " + GLM + "..." in written
+    assert written.endswith("\r\x1b[K")  # erased when done
+
+
+def test_a_quick_check_shows_no_progress_on_a_terminal() -> None:
+    assert _with_terminal_stderr("0", "check", GLM) == (0, "")
+
+
+def test_no_progress_when_standard_error_is_not_a_terminal() -> None:
+    result = _safeview("1.6", "check", GLM, code=_SLOW)
+    assert result.returncode == 0
+    assert result.stderr == ""
+
+
+def test_a_bad_log_format_variable_is_one_line_and_exit_2() -> None:
+    # set after safeview was imported: main() reads the variable again, and reports it
+    code = (
+        "import os, sys\n"
+        "from safeview.cli import main\n"
+        "os.environ['SAFEVIEW_LOG_FORMAT'] = 'bogus'\n"
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    result = _safeview("check", CLEAN, code=code)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert _one_error_line(result.stderr) == (
+        "safeview: SAFEVIEW_LOG_FORMAT='bogus' is not a valid value; allowed values: json, console"
+    )
+
+
+def test_a_bad_log_format_variable_from_the_start_is_one_line_and_exit_2() -> None:
+    result = _safeview("check", CLEAN, env=_env(SAFEVIEW_LOG_FORMAT="bogus"))
+    assert result.returncode == 2
+    assert "SAFEVIEW_LOG_FORMAT='bogus'" in _one_error_line(result.stderr)
+    script = Path(sys.executable).parent / "safeview"  # the console script, the same way
+    installed = subprocess.run(
+        [str(script), "check", CLEAN],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(SAFEVIEW_LOG_FORMAT="bogus"),
+    )
+    assert installed.returncode == 2
+    assert "SAFEVIEW_LOG_FORMAT='bogus'" in _one_error_line(installed.stderr)
+
+
+def test_duplicate_keys_are_refused_with_their_location(tmp_path: Path) -> None:
+    text = _plan_text(num_blocks=10).replace(
+        '"num_blocks": 10', '"num_blocks": "x", "num_blocks": 4'
+    )
+    assert '"num_blocks": "x", "num_blocks": 4' in text
+    (tmp_path / "plan.json").write_text(text)
+    result = _safeview("check", str(tmp_path / "plan.json"))
+    assert result.returncode == 2
+    assert _one_error_line(result.stderr) == (
+        f"safeview: {tmp_path / 'plan.json'} is not a valid plan: views.0.num_blocks: "
+        "key 'num_blocks' appears more than once (got 4)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [({"pages": 3}, "views.0.pages: Extra inputs are not permitted"),
+     ({"num_blocks": -1}, "views.0.num_blocks: Input should be greater than or equal to 0")],
+)  # fmt: skip
+def test_what_the_schema_refuses_check_refuses(
+    change: dict[str, Any], where: str, tmp_path: Path
+) -> None:
+    text = _plan_text(**change)
+    jsonschema: Any = __import__("jsonschema")  # untyped; the `test` extra installs it
+    validator = jsonschema.Draft202012Validator(Plan.model_json_schema())
+    assert not validator.is_valid(json.loads(text))
+    (tmp_path / "plan.json").write_text(text)
+    result = _safeview("check", str(tmp_path / "plan.json"))
+    assert result.returncode == 2
+    assert where in _one_error_line(result.stderr)

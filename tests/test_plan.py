@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from safeview import Plan
+from safeview import Plan, Region
 
 PLANS = Path(__file__).parent.parent / "examples" / "plans"
 sys.path.insert(0, str(PLANS))
@@ -149,3 +151,73 @@ def test_plan_round_trips_through_a_file(tmp_path: Path) -> None:
     plan = Plan.model_validate(_plan())
     plan.dump(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan
+
+
+@pytest.mark.parametrize(
+    ("text", "location", "value"),
+    [('{"storages": [{"name": "kv", "nbytes": 8}], "views": [{"name": "k", "storage": "kv", '
+      '"num_blocks": "x", "num_blocks": 4, "page_bytes": 1, "block_stride_bytes": 1}]}',
+      ("views", 0, "num_blocks"), 4),
+     ('{"storages": [{"name": "kv", "nbytes": 8, "nbytes": 9}], "views": []}',
+      ("storages", 0, "nbytes"), 9),
+     ('{"views": [], "storages": [{"name": "kv", "nbytes": 8}], "views": []}', ("views",), [])],
+)  # fmt: skip
+def test_duplicate_keys_are_refused_where_they_are(
+    text: str, location: tuple[Any, ...], value: Any
+) -> None:
+    with pytest.raises(ValidationError) as caught:
+        Plan.from_json(text)
+    [error] = caught.value.errors()
+    assert (error["type"], error["loc"], error["input"]) == ("duplicate_key", location, value)
+    assert error["msg"] == f"key {location[-1]!r} appears more than once"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [("{not json", "Expecting property name"), ('{"storages": NaN}', "NaN is not JSON"),
+     (b"\xff\xfe\x00", "codec can't decode")],
+)  # fmt: skip
+def test_text_that_is_not_json_is_refused_at_the_plan(text: str | bytes, words: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        Plan.from_json(text)
+    [error] = caught.value.errors()
+    assert (error["type"], error["loc"]) == ("json_invalid", ())
+    assert words in error["msg"]
+
+
+def test_other_errors_keep_pydantics_location() -> None:
+    with pytest.raises(ValidationError) as caught:
+        Plan.from_json(json.dumps(_plan(extra=1)))
+    [error] = caught.value.errors()
+    assert (error["loc"], error["msg"]) == (("extra",), "Extra inputs are not permitted")
+
+
+def _schema_validator() -> Any:
+    jsonschema = importlib.import_module("jsonschema")  # untyped; the `test` extra installs it
+    return jsonschema.Draft202012Validator(Plan.model_json_schema())
+
+
+def test_the_readme_plan_validates_against_the_published_schema() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("## Plans and the `safeview` command")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    example = json.loads(re.findall(r"```json\n(.*?)```", section, re.S)[0])
+    assert example["views"][0]["region"] == [0, 163840]
+    _schema_validator().validate(example)
+    assert Plan.model_validate(example).views[0].region == Region(start_byte=0, end_byte=163840)
+
+
+@pytest.mark.parametrize(
+    ("region", "valid"),
+    [([0, 2048], True), ({"start_byte": 0, "end_byte": 2048}, True), ([0, 1, 2], False),
+     ([-1, 2048], False), ({"start_byte": 0}, False), ("0-2048", False)],
+)  # fmt: skip
+def test_the_schema_publishes_both_forms_of_a_region(region: Any, valid: bool) -> None:
+    data = _plan(views=[{"name": "k", "storage": "kv", "num_blocks": 1, "page_bytes": 1,
+                         "block_stride_bytes": 1, "region": region}])  # fmt: skip
+    assert _schema_validator().is_valid(data) is valid
+    if valid:
+        Plan.from_json(json.dumps(data))
+    else:
+        with pytest.raises(ValidationError):
+            Plan.from_json(json.dumps(data))
