@@ -1,7 +1,9 @@
 """Cost of whole-registration checks, as ratios against unchecked torch calls in the same run.
 
-1. ``find_overlaps`` on 1,000 and 10,000 views of one block stride (a packed group): the 10,000
-   case should cost at most 15x the 1,000 case (near-linear, not quadratic).
+1. ``find_overlaps`` on 1,000 and 10,000 views of one block stride (a packed group), and of three
+   block strides that divide one another interleaved over the same bytes (kernel blocks, manager
+   blocks, whole packed blocks): the 10,000 case should cost at most 15x the 1,000 case
+   (near-linear, not quadratic).
 2. ``block_views`` on the GLM-5.2-FP8 packed cache on the meta device (101 layers, and the same
    group repeated to 1,010 and 10,100 layers), with the full report, against vLLM 0.33's
    unchecked loop (one four-argument ``set_`` per layer): at most 1.15x at every size.
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from safeview import find_overlaps, packed_layouts, sanitize
+from safeview import BlockLayout, find_overlaps, packed_layouts, sanitize
 from safeview.kv import block_views
 
 GLM_NUM_BLOCKS = 42_072
@@ -111,6 +113,29 @@ def main() -> int:
     )
     print(f"  = {scaling:.2f}x")
     verdicts.append(("find_overlaps, 10,000 / 1,000 views", scaling, 15.0))
+
+    def mixed(count: int) -> dict[str, BlockLayout]:
+        # view i holds byte i of each of its blocks; a third each at strides of 16,384, 32,768
+        # and 65,536 bytes: interleaved over the same bytes, and disjoint
+        def stride(i: int) -> int:
+            return 16_384 if i < count // 3 else 32_768 if i < 2 * count // 3 else 65_536
+
+        return {
+            f"layer.{i}": BlockLayout(
+                num_blocks=1_000, page_bytes=1, block_stride_bytes=stride(i), byte_offset=i
+            )
+            for i in range(count)
+        }
+
+    mixed_layouts = {n: mixed(n) for n in (1_000, 10_000)}
+    mixed_scaling = ratio(
+        "find_overlaps 1,000 -> 10,000 views, 3 dividing strides",
+        lambda: find_overlaps(mixed_layouts[1_000]),
+        lambda: find_overlaps(mixed_layouts[10_000]),
+        args.rounds,
+    )
+    print(f"  = {mixed_scaling:.2f}x")
+    verdicts.append(("find_overlaps, 3 strides, 10,000 / 1,000", mixed_scaling, 15.0))
 
     for repeat, rounds in ((1, args.rounds * 8), (10, args.rounds * 2), (100, args.rounds)):
         caches, pages = glm_cache(repeat)

@@ -437,7 +437,8 @@ def _pairs(
     ]  # fmt: skip
     group_of = [views[index].group for index in memory.indices]
     found = []
-    for (a, b), byte in overlapping_pairs(every, group_of):
+    names = [views[index].name for index in memory.indices]
+    for (a, b), byte in overlapping_pairs(every, group_of, names):
         first, second = views[memory.indices[a]], views[memory.indices[b]]
         storage = memory.storages[a]
         found.append(

@@ -109,10 +109,18 @@ def _sweep_one_stride(
     return any_found
 
 
+MAX_EXACT_TESTS = 5_000_000
+"""How many exact pair tests the span sweep may run before it stops with an ``ArgumentError``
+(a few seconds on a small machine): only views of block strides that do not divide one another,
+interleaved over the same bytes, come near it."""
+
+
 def _sweep_spans(pieces: list[tuple[Blocks, int]], found: dict[tuple[int, int], int]) -> None:
     """Pairs of pieces whose spans intersect and that the stride sweep does not cover: contiguous
-    runs against everything, and runs of different block strides against each other."""
+    runs against everything, and runs of different block strides against each other. Stops with
+    an ``ArgumentError`` after ``MAX_EXACT_TESTS`` exact tests instead of running on silently."""
     ordered = sorted(pieces, key=lambda item: (item[0].offset, item[1]))
+    tests = 0
     # Active pieces per class: 0 for contiguous runs, else the block stride.
     active: dict[int, list[tuple[int, int, Blocks, int]]] = defaultdict(list)
     serial = 0
@@ -126,6 +134,9 @@ def _sweep_spans(pieces: list[tuple[Blocks, int]], found: dict[tuple[int, int], 
             for _, _, other, other_view in heap:
                 if other_view == view:
                     continue
+                tests += 1
+                if tests > MAX_EXACT_TESTS:
+                    raise _TooMuchWork(view, other_view, piece.stride, other.stride)
                 byte = _arith.shared_byte(piece, other)
                 if byte is not None:
                     _record(found, view, other_view, byte)
@@ -133,8 +144,61 @@ def _sweep_spans(pieces: list[tuple[Blocks, int]], found: dict[tuple[int, int], 
         heapq.heappush(active[kind], (piece.end, serial, piece, view))
 
 
+class _TooMuchWork(Exception):
+    """The span sweep's limit was reached; the caller names the views."""
+
+    def __init__(self, first: int, second: int, first_stride: int, second_stride: int) -> None:
+        super().__init__()
+        self.views = (first, second)
+        self.strides = (first_stride, second_stride)
+
+
+MAX_FOLD_RATIO = 64
+"""The largest ratio between the largest block stride and a smaller one that divides it for
+which views are folded into one period and swept together."""
+
+
+def _folded(pieces: list[tuple[Blocks, int]]) -> tuple[int, list[tuple[Blocks, int]]] | None:
+    """Every piece as runs of one block stride, the largest, when every block stride divides it:
+    a run of stride ``s`` is ``L / s`` interleaved runs of stride ``L``, and a contiguous run is
+    a head, whole periods and a tail. ``None`` when the strides are not so related (or the
+    pieces would grow more than ``MAX_FOLD_RATIO`` times)."""
+    strides = {piece.stride for piece, _ in pieces if piece.number > 1}
+    if len(strides) < 2:
+        return None
+    period = max(strides)
+    if any(period % stride or period // stride > MAX_FOLD_RATIO for stride in strides):
+        return None
+    folded: list[tuple[Blocks, int]] = []
+    for piece, view in pieces:
+        offset, number, stride, run = piece
+        if number > 1:
+            ratio = period // stride
+            for phase in range(min(ratio, number)):
+                count = (number - phase + ratio - 1) // ratio
+                folded.append((Blocks(offset + phase * stride, count, period, run), view))
+            continue
+        # a contiguous run: what fits in its first period, whole periods, then the rest
+        head = min(run, period - offset % period)
+        folded.append((Blocks(offset, 1, period, head), view))
+        whole, tail = divmod(run - head, period)
+        if whole:
+            folded.append((Blocks(offset + head, whole, period, period), view))
+        if tail:
+            folded.append((Blocks(offset + head + whole * period, 1, period, tail), view))
+    return period, folded
+
+
 def _overlaps_in_group(pieces: list[tuple[Blocks, int]]) -> dict[tuple[int, int], int]:
     found: dict[tuple[int, int], int] = {}
+    folded = _folded(pieces)
+    if folded is not None:
+        # strides that divide one another: one sweep over one period, near-linear
+        period, one_stride = folded
+        rects = [rect for piece, view in one_stride for rect in _rectangles(piece, view)]
+        if _sweep_one_stride(rects, period, found, exhaustive=False):
+            _sweep_one_stride(rects, period, found, exhaustive=True)
+        return found
     by_stride: dict[int, list[_Rect]] = defaultdict(list)
     for piece, view in pieces:
         if piece.number > 1:
@@ -174,15 +238,38 @@ def packed_disjoint(
 
 
 def overlapping_pairs(
-    pieces: Sequence[Sequence[Blocks]], group_of: Sequence[Hashable | None]
+    pieces: Sequence[Sequence[Blocks]],
+    group_of: Sequence[Hashable | None],
+    names: Sequence[str] | None = None,
 ) -> list[tuple[tuple[int, int], int]]:
     """Every pair ``(a, b)``, ``a < b``, of views that share a byte and may not, with the lowest
     shared byte found, sorted by ``(a, b)``.
 
-    ``pieces[i]`` are the runs of view ``i`` (in one address space); ``group_of[i]`` its group.
-    Views of two different groups may share bytes; a view without a group (``None``) may share
-    with none.
+    ``pieces[i]`` are the runs of view ``i`` (in one address space); ``group_of[i]`` its group;
+    ``names[i]`` its name, for the error below. Views of two different groups may share bytes; a
+    view without a group (``None``) may share with none.
+
+    Cost: O(P log P) in the number of runs P when all block strides divide the largest (one
+    stride, or kernel blocks beside manager blocks, a packed whole-block view beside its
+    layers); otherwise pairs whose spans meet are tested one by one, which is quadratic when many
+    such views interleave over the same bytes, and past ``MAX_EXACT_TESTS`` tests it stops with
+    an ``ArgumentError`` naming two of them.
     """
+    try:
+        return _pairs(pieces, group_of)
+    except _TooMuchWork as stop:
+        a, b = (repr(names[i]) if names is not None else str(i) for i in stop.views)
+        raise ArgumentError(
+            f"views {a} and {b} (block strides {stop.strides[0]} and {stop.strides[1]}, which do "
+            f"not divide one another) and others like them interleave over the same bytes: "
+            f"checking them exactly took more than {MAX_EXACT_TESTS:,} tests, the limit; split "
+            "the check by storage or group, or give those views strides that divide each other"
+        ) from None
+
+
+def _pairs(
+    pieces: Sequence[Sequence[Blocks]], group_of: Sequence[Hashable | None]
+) -> list[tuple[tuple[int, int], int]]:
     found: dict[tuple[int, int], int] = {}
     if any(group is None for group in group_of) or len(set(group_of)) == 1:
         # One sweep over everything, keeping the pairs that may not share.
@@ -250,5 +337,5 @@ def find_overlaps(
             byte=byte,
             group=group_of[a] if group_of[a] == group_of[b] else None,
         )
-        for (a, b), byte in overlapping_pairs(pieces, group_of)
+        for (a, b), byte in overlapping_pairs(pieces, group_of, names)
     ]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
-from safeview import BlockLayout, Layout, StridedLayout, packed_layouts
+from safeview import ArgumentError, BlockLayout, Layout, StridedLayout, overlap, packed_layouts
 from safeview.overlap import find_overlaps
 
 NUMPY_DTYPES = {"int8": np.int8, "float16": np.float16, "float32": np.float32}
@@ -254,3 +255,84 @@ def test_many_views_of_one_stride_match_pairwise_checks() -> None:
     }
     assert found == pairwise
     assert len(found) > 3
+
+
+def _mixed_strides(rng: random.Random, base: int) -> dict[str, Layout]:
+    """Views whose block strides divide one another (a stride, twice it, four times it) and
+    contiguous views, interleaved over the same bytes."""
+    layouts: dict[str, Layout] = {}
+    for index in range(rng.randint(2, 7)):
+        stride = base * rng.choice([1, 2, 4])
+        page = rng.randint(1, stride)
+        number = rng.randint(0, 9)
+        if rng.random() < 0.2:  # contiguous: stride == page
+            page = stride = rng.randint(1, 3 * base)
+        layouts[f"v{index}"] = BlockLayout(
+            num_blocks=number,
+            page_bytes=page,
+            block_stride_bytes=stride,
+            byte_offset=rng.randint(0, 3 * base),
+        )
+    return layouts
+
+
+def test_views_of_strides_that_divide_one_another_match_numpy_and_the_lowest_byte() -> None:
+    rng = random.Random(20261203)
+    for _ in range(3_000):
+        layouts = _mixed_strides(rng, base=rng.choice([3, 8, 12]))
+        size = max(layout.extent_bytes for layout in layouts.values()) + 1
+        masks = {name: _touched(layout, size) for name, layout in layouts.items()}
+        found = {o.views: o.byte for o in find_overlaps(layouts)}
+        names = list(layouts)
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                both = np.flatnonzero(masks[first] & masks[second])
+                expected = int(both[0]) if both.size else None
+                assert found.get((first, second)) == expected, (layouts, first, second)
+
+
+def test_strides_that_divide_one_another_scale_like_one_stride() -> None:
+    # kernel blocks (stride 8,192) beside manager blocks (16,384): folded into one period, so
+    # the work grows with the views, never with their pairs
+    # (byte r of every kernel block for the first half, then manager-block views on other bytes)
+    big: dict[str, Layout] = {
+        f"v{index}": BlockLayout(
+            num_blocks=1_000,
+            page_bytes=1,
+            block_stride_bytes=8_192 if index < 4_000 else 16_384,
+            byte_offset=index,
+        )
+        for index in range(8_000)
+    }
+    assert find_overlaps(big) == []  # one by one, 3.2 * 10^7 pair tests
+    moved = {**big, "v7999": BlockLayout(num_blocks=1_000, page_bytes=1, block_stride_bytes=16_384,
+                                         byte_offset=8_192 + 5)}  # fmt: skip
+    [found] = find_overlaps(moved)
+    assert (found.views, found.byte) == (("v5", "v7999"), 8_192 + 5)
+
+
+def test_unrelated_strides_stop_at_the_work_limit_naming_the_views(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(overlap, "MAX_EXACT_TESTS", 50)
+    layouts: dict[str, Layout] = {
+        f"v{index}": BlockLayout(
+            num_blocks=100,
+            page_bytes=1,
+            block_stride_bytes=101 if index % 2 else 103,  # neither divides the other
+            byte_offset=index,
+        )
+        for index in range(40)
+    }
+    with pytest.raises(ArgumentError, match=r"views 'v\d+' and 'v\d+' \(block strides 10[13] and"):
+        find_overlaps(layouts)
+    monkeypatch.setattr(overlap, "MAX_EXACT_TESTS", 5_000_000)
+    size = max(layout.extent_bytes for layout in layouts.values())
+    masks = {name: _touched(layout, size) for name, layout in layouts.items()}
+    expected = {
+        (a, b)
+        for i, a in enumerate(layouts)
+        for b in list(layouts)[i + 1 :]
+        if (masks[a] & masks[b]).any()
+    }
+    assert {o.views for o in find_overlaps(layouts)} == expected  # exact, under the real limit
