@@ -136,7 +136,7 @@ def _sweep_spans(pieces: list[tuple[Blocks, int]], found: dict[tuple[int, int], 
                     continue
                 tests += 1
                 if tests > MAX_EXACT_TESTS:
-                    raise _TooMuchWork(view, other_view, piece.stride, other.stride)
+                    raise _TooMuchWorkError(view, other_view, piece.stride, other.stride)
                 byte = _arith.shared_byte(piece, other)
                 if byte is not None:
                     _record(found, view, other_view, byte)
@@ -144,7 +144,7 @@ def _sweep_spans(pieces: list[tuple[Blocks, int]], found: dict[tuple[int, int], 
         heapq.heappush(active[kind], (piece.end, serial, piece, view))
 
 
-class _TooMuchWork(Exception):
+class _TooMuchWorkError(Exception):
     """The span sweep's limit was reached; the caller names the views."""
 
     def __init__(self, first: int, second: int, first_stride: int, second_stride: int) -> None:
@@ -257,7 +257,7 @@ def overlapping_pairs(
     """
     try:
         return _pairs(pieces, group_of)
-    except _TooMuchWork as stop:
+    except _TooMuchWorkError as stop:
         a, b = (repr(names[i]) if names is not None else str(i) for i in stop.views)
         raise ArgumentError(
             f"views {a} and {b} (block strides {stop.strides[0]} and {stop.strides[1]}, which do "
