@@ -158,35 +158,46 @@ MAX_FOLD_RATIO = 64
 which views are folded into one period and swept together."""
 
 
-def _folded(pieces: list[tuple[Blocks, int]]) -> tuple[int, list[tuple[Blocks, int]]] | None:
-    """Every piece as runs of one block stride, the largest, when every block stride divides it:
-    a run of stride ``s`` is ``L / s`` interleaved runs of stride ``L``, and a contiguous run is
-    a head, whole periods and a tail. ``None`` when the strides are not so related (or the
-    pieces would grow more than ``MAX_FOLD_RATIO`` times)."""
+def _folded(pieces: list[tuple[Blocks, int]]) -> tuple[int, list[_Rect]] | None:
+    """Every piece as rectangles of one block stride, the largest, when every block stride
+    divides it: a run of stride ``s`` is ``L / s`` interleaved runs of stride ``L``, and a
+    contiguous run is a head, whole periods and a tail. ``None`` when the strides are not so
+    related (or the pieces would grow more than ``MAX_FOLD_RATIO`` times). Rectangles are made
+    straight from the numbers: a layout of 100,000 views makes no object it does not keep."""
     strides = {piece.stride for piece, _ in pieces if piece.number > 1}
     if len(strides) < 2:
         return None
     period = max(strides)
     if any(period % stride or period // stride > MAX_FOLD_RATIO for stride in strides):
         return None
-    folded: list[tuple[Blocks, int]] = []
-    for piece, view in pieces:
-        offset, number, stride, run = piece
+    rects: list[_Rect] = []
+    add = rects.append
+
+    def run_of(offset: int, number: int, run: int, view: int) -> None:
+        # ``number`` runs of ``run <= period`` bytes, one per period from ``offset`` on
+        block, residue = divmod(offset, period)
+        end = residue + run
+        if end <= period:
+            add((residue, end, block, block + number, view))
+        else:  # each run spills over into the next period
+            add((residue, period, block, block + number, view))
+            add((0, end - period, block + 1, block + 1 + number, view))
+
+    for (offset, number, stride, run), view in pieces:
         if number > 1:
             ratio = period // stride
             for phase in range(min(ratio, number)):
-                count = (number - phase + ratio - 1) // ratio
-                folded.append((Blocks(offset + phase * stride, count, period, run), view))
+                run_of(offset + phase * stride, (number - phase + ratio - 1) // ratio, run, view)
             continue
         # a contiguous run: what fits in its first period, whole periods, then the rest
         head = min(run, period - offset % period)
-        folded.append((Blocks(offset, 1, period, head), view))
+        run_of(offset, 1, head, view)
         whole, tail = divmod(run - head, period)
         if whole:
-            folded.append((Blocks(offset + head, whole, period, period), view))
+            run_of(offset + head, whole, period, view)
         if tail:
-            folded.append((Blocks(offset + head + whole * period, 1, period, tail), view))
-    return period, folded
+            run_of(offset + head + whole * period, 1, tail, view)
+    return period, rects
 
 
 def _overlaps_in_group(pieces: list[tuple[Blocks, int]]) -> dict[tuple[int, int], int]:
@@ -194,8 +205,7 @@ def _overlaps_in_group(pieces: list[tuple[Blocks, int]]) -> dict[tuple[int, int]
     folded = _folded(pieces)
     if folded is not None:
         # strides that divide one another: one sweep over one period, near-linear
-        period, one_stride = folded
-        rects = [rect for piece, view in one_stride for rect in _rectangles(piece, view)]
+        period, rects = folded
         if _sweep_one_stride(rects, period, found, exhaustive=False):
             _sweep_one_stride(rects, period, found, exhaustive=True)
         return found

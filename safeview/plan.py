@@ -65,18 +65,6 @@ class PlanView(Spec):
     group: str | int | None = None
     region: PlanRegion | None = None
 
-    def record(self) -> ViewRecord:
-        return ViewRecord.block(
-            self.name,
-            self.storage,
-            num_blocks=self.num_blocks,
-            page_bytes=self.page_bytes,
-            block_stride_bytes=self.block_stride_bytes,
-            byte_offset=self.byte_offset,
-            group=self.group,
-            region=self.region.as_tuple() if self.region is not None else None,
-        )
-
 
 class Plan(Spec):
     """A set of storages and the block views laid over them.
@@ -162,10 +150,32 @@ class Plan(Spec):
 
     def check(self) -> Report:
         """Every view and every pair, judged by ``safeview.check.check_views``."""
-        return check_views(
-            {storage.name: storage.nbytes for storage in self.storages},
-            [view.record() for view in self.views],
-        )
+        return check_views(self.sizes(), self.records())
+
+    def sizes(self) -> dict[str, int]:
+        """Storage name -> bytes."""
+        return {storage.name: storage.nbytes for storage in self.storages}
+
+    def records(self) -> list[ViewRecord]:
+        """The views as the checker's records, in order."""
+        pairs: dict[tuple[int, int], tuple[int, int]] = {}  # equal shapes share one tuple
+        records = []
+        for view in self.views:
+            shape = (view.num_blocks, view.page_bytes)
+            strides = (view.block_stride_bytes, 1)
+            records.append(
+                ViewRecord(
+                    view.name,
+                    view.storage,
+                    view.byte_offset,
+                    pairs.setdefault(shape, shape),
+                    pairs.setdefault(strides, strides),
+                    1,
+                    view.group,
+                    view.region.as_tuple() if view.region is not None else None,
+                )
+            )
+        return records
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -176,11 +186,20 @@ class Plan(Spec):
     def from_json(cls, text: str | bytes) -> Plan:
         """Validate a plan's JSON text. Text that is not JSON, or an object that names a key
         twice, raises ``ValidationError`` located like any bad field (``views.0.num_blocks``)."""
+        twice: list[_Object] = []
+
+        def pairs_to_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            data = dict(pairs)
+            if len(data) == len(pairs):  # the usual case: no key twice, a plain dict
+                return data
+            twice.append(_Object(pairs))
+            return twice[-1]
+
         try:
-            data = json.loads(text, object_pairs_hook=_Object, parse_constant=_no_constant)
+            data = json.loads(text, object_pairs_hook=pairs_to_object, parse_constant=_no_constant)
         except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, NaN
             raise _plan_error((), text, "json_invalid", f"Invalid JSON: {error}") from None
-        duplicate = _first_duplicate(data, ())
+        duplicate = _first_duplicate(data, ()) if twice else None
         if duplicate is not None:
             loc, key, value = duplicate
             raise _plan_error(loc, value, "duplicate_key", f"key {key!r} appears more than once")
@@ -209,8 +228,8 @@ def _first_duplicate(
     value: Any, loc: tuple[str | int, ...]
 ) -> tuple[tuple[str | int, ...], str, Any] | None:
     """Where the first key given twice is: its location, the key and its last value."""
-    if isinstance(value, _Object):
-        if value.duplicates:
+    if isinstance(value, dict):
+        if isinstance(value, _Object) and value.duplicates:
             twice = value.duplicates[0]
             return (*loc, twice), twice, value[twice]
         items: Iterable[tuple[str | int, Any]] = value.items()

@@ -361,8 +361,8 @@ _SLOW = (
     "import sys, time\n"
     "from safeview.plan import Plan\n"
     "from safeview.cli import main\n"
-    "check = Plan.check\n"
-    "Plan.check = lambda self: (time.sleep(float(sys.argv[1])), check(self))[1]\n"
+    "records = Plan.records\n"
+    "Plan.records = lambda self: (time.sleep(float(sys.argv[1])), records(self))[1]\n"
     "sys.exit(main(sys.argv[2:]))"
 )
 
