@@ -184,7 +184,38 @@ def _dtype_name(value: Any) -> Any:
     return value
 
 
-class BlockLayout(Spec):
+_MAX_INTERNED = 4_096
+
+
+class _Interned(type(BaseModel)):  # type: ignore[misc]
+    """Builds each ``BlockLayout`` once per distinct set of plain ``int`` fields and hands the
+    same frozen instance back afterwards, so that a layout built inside a per-layer loop costs a
+    dictionary look-up. The key holds the names, the values and their types, and only layouts
+    given exact ``int`` values are remembered (``True``, ``numpy.int64`` and the rest are
+    validated every time), so no value passes that validation would refuse."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            return super().__call__(*args, **kwargs)
+        values = tuple(kwargs.values())
+        key = (tuple(kwargs), values, tuple(map(type, values)))
+        try:
+            layout = _INTERNED.get(key)
+        except TypeError:  # an unhashable value: validation will say what is wrong with it
+            return super().__call__(**kwargs)
+        if layout is None:
+            layout = super().__call__(**kwargs)  # raises for what validation refuses
+            if type(layout) is BlockLayout and all(type(value) is int for value in values):
+                if len(_INTERNED) >= _MAX_INTERNED:
+                    del _INTERNED[next(iter(_INTERNED))]
+                _INTERNED[key] = layout
+        return layout
+
+
+_INTERNED: dict[tuple[tuple[str, ...], tuple[Any, ...], tuple[type, ...]], Any] = {}
+
+
+class BlockLayout(Spec, metaclass=_Interned):
     """``num_blocks`` pages of ``page_bytes`` bytes, one every ``block_stride_bytes`` bytes, the
     first at ``byte_offset`` of the storage: the int8 view ``(num_blocks, page_bytes)`` with strides
     ``(block_stride_bytes, 1)`` that a KV-cache connector registers per layer.

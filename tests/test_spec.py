@@ -292,3 +292,34 @@ def test_nbytes_counts_the_elements_held_not_the_span() -> None:
     block = BlockLayout(num_blocks=3, page_bytes=16, block_stride_bytes=64)
     assert block.nbytes == 48
     assert block.extent_bytes == 2 * 64 + 16
+
+
+def test_a_layout_built_again_with_the_same_ints_is_the_same_frozen_instance() -> None:
+    first = BlockLayout(num_blocks=7, page_bytes=64, block_stride_bytes=128, byte_offset=64)
+    again = BlockLayout(num_blocks=7, page_bytes=64, block_stride_bytes=128, byte_offset=64)
+    assert again is first
+    other_order = BlockLayout(byte_offset=64, block_stride_bytes=128, page_bytes=64, num_blocks=7)
+    assert other_order == first
+
+
+def test_the_interned_layouts_never_let_a_refused_value_through() -> None:
+    BlockLayout(num_blocks=1, page_bytes=8, block_stride_bytes=8)  # 1 is remembered...
+    with pytest.raises(ValidationError, match="num_blocks"):
+        BlockLayout(num_blocks=True, page_bytes=8, block_stride_bytes=8)  # ...True is not 1
+    with pytest.raises(ValidationError, match="num_blocks"):
+        BlockLayout(num_blocks=1.0, page_bytes=8, block_stride_bytes=8)  # type: ignore[arg-type]
+    scalar = BlockLayout(num_blocks=np.int64(1), page_bytes=8, block_stride_bytes=8)
+    assert scalar.num_blocks == 1
+    assert type(scalar.num_blocks) is int
+    with pytest.raises(ValidationError):  # and what validation refuses is refused every time
+        BlockLayout(num_blocks=3, page_bytes=8, block_stride_bytes=4)
+    with pytest.raises(ValidationError):
+        BlockLayout(num_blocks=3, page_bytes=8, block_stride_bytes=4)
+
+
+def test_the_interned_layouts_are_bounded() -> None:
+    from safeview import spec
+
+    for offset in range(spec._MAX_INTERNED + 10):
+        BlockLayout(num_blocks=1, page_bytes=1, block_stride_bytes=1, byte_offset=offset)
+    assert len(spec._INTERNED) == spec._MAX_INTERNED
