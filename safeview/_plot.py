@@ -10,6 +10,7 @@ panel, never over the bars.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,70 @@ def panels(plan: Plan, report: Report) -> list[tuple[str, str]]:
     return drawn
 
 
+ROW_LIMIT = 120
+"""Past this many views in one storage, the picture draws a row per group (and one row of the
+views with a violation) instead of a row per view: a summary, not 100,000 slivers."""
+
+
+def _rows(
+    views: list[PlanView], status: dict[str, str], groups: Sequence[str | int | None]
+) -> list[tuple[str, str, list[PlanView]]]:
+    """The rows of a panel: ``(label, colour, views)``, a view each, or a summary when there are
+    more than ``ROW_LIMIT``."""
+    colour_of = {group: GROUP_COLOURS[i % len(GROUP_COLOURS)] for i, group in enumerate(groups)}
+    if len(views) <= ROW_LIMIT:
+        return [
+            (view.name, RED if status[view.name] != "ok" else colour_of[view.group], [view])
+            for view in views
+        ]
+    members: dict[str | int | None, list[PlanView]] = {group: [] for group in groups}
+    flagged: list[PlanView] = []
+    for view in views:
+        (flagged if status[view.name] != "ok" else members[view.group]).append(view)
+    rows = [
+        (f"group {group}: {len(found):,} views", colour_of[group], found)
+        for group, found in members.items()
+        if found
+    ]
+    if flagged:
+        rows.append((f"with a violation: {len(flagged):,} views", RED, flagged))
+    return rows
+
+
+def _merged(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, width)`` segments with touching and overlapping ones joined: a summary row of
+    100,000 tiled pages is drawn as a few bars."""
+    joined: list[tuple[int, int]] = []
+    for start, width in sorted(segments):
+        if joined and start <= joined[-1][0] + joined[-1][1]:
+            last_start, last_width = joined[-1]
+            joined[-1] = (last_start, max(last_width, start + width - last_start))
+        else:
+            joined.append((start, width))
+    return joined
+
+
+def _bars(ax: Any, y: int, segments: list[tuple[int, int]], colour: str, many: bool) -> None:
+    """One row of bars. A summary row's bars are merged and outlined in their own colour, so that
+    a page far narrower than a pixel still shows."""
+    if many:
+        ax.broken_barh(_merged(segments), (y - 0.4, 0.8), facecolors=colour,
+                       edgecolor=colour, linewidth=0.8)  # fmt: skip
+    else:
+        ax.broken_barh(segments, (y - 0.4, 0.8), facecolors=colour, edgecolor="white")
+
+
+def _summary(members: list[PlanView], status: dict[str, str]) -> str:
+    """What is wrong with a row's views, counted by kind."""
+    counts: dict[str, int] = {}
+    for view in members:
+        for kind in status[view.name].split(", "):
+            if kind != "ok":
+                counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{kind} x{count:,}" if len(members) > 1 else kind for kind, count in
+                     counts.items())  # fmt: skip
+
+
 def _draw_end(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     """The end of a block-period storage, to scale: two periods before the end and every byte
     past it, each view's blocks there, the part past the end hatched."""
@@ -66,31 +131,36 @@ def _draw_end(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     nbytes = next(s.nbytes for s in plan.storages if s.name == storage)
     period = _period(views) or 1
     extents = {view.name: view.extent_bytes for view in report.views}
+    status = {row["name"]: row["status"] for row in report.rows()}
     start = max(0, nbytes - 2 * period)
     stop = max(extents[view.name] for view in views)
-    for row, view in enumerate(views):
-        first = max(0, (start - view.byte_offset - view.page_bytes) // view.block_stride_bytes)
+    rows = _rows(views, status, list(dict.fromkeys(view.group for view in views)))
+    for y, (_, colour, members) in enumerate(rows):
         inside, outside = [], []
-        for block in range(first, view.num_blocks):
-            begin = view.byte_offset + block * view.block_stride_bytes
-            if begin >= stop:
-                break
-            end = begin + view.page_bytes
-            if end <= start:
-                continue
-            if begin < nbytes:
-                inside.append((max(begin, start), min(end, nbytes) - max(begin, start)))
-            if end > nbytes:
-                outside.append((max(begin, nbytes), end - max(begin, nbytes)))
-        past = extents[view.name] > nbytes
-        ax.broken_barh(inside, (row - 0.4, 0.8), facecolors=RED if past else "#c7c7c7")
-        ax.broken_barh(outside, (row - 0.4, 0.8), facecolors=RED, hatch="///", edgecolor="white")
+        for view in members:
+            first = max(0, (start - view.byte_offset - view.page_bytes) // view.block_stride_bytes)
+            for block in range(first, view.num_blocks):
+                begin = view.byte_offset + block * view.block_stride_bytes
+                if begin >= stop:
+                    break
+                end = begin + view.page_bytes
+                if end <= start:
+                    continue
+                if begin < nbytes:
+                    inside.append((max(begin, start), min(end, nbytes) - max(begin, start)))
+                if end > nbytes:
+                    outside.append((max(begin, nbytes), end - max(begin, nbytes)))
+        many = len(views) > ROW_LIMIT
+        _bars(ax, y, inside, colour if colour == RED else "#c7c7c7", many)
+        if outside:
+            ax.broken_barh(_merged(outside), (y - 0.4, 0.8), facecolors=RED, hatch="///",
+                           edgecolor=RED, linewidth=0.8)  # fmt: skip
     ax.axvline(nbytes, color="black", linewidth=1.2)
-    ax.text(nbytes, len(views) - 1, " end of storage", fontsize=8, va="center")
+    ax.text(nbytes, len(rows) - 1, " end of storage", fontsize=8, va="center")
     ax.set_xlim(start, stop + (stop - start) * 0.02)
-    ax.set_ylim(len(views) - 0.4, -1.0)
-    ax.set_yticks(range(len(views)))
-    ax.set_yticklabels([view.name for view in views], fontsize=7)
+    ax.set_ylim(len(rows) - 0.4, -1.0)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([label for label, _, _ in rows], fontsize=7)
     worst = max(extents[view.name] for view in views) - nbytes
     ax.set_title(
         f"the end of storage {storage!r}, to scale: views in red run past byte {nbytes:,}, "
@@ -107,33 +177,29 @@ def _draw_end(ax: Any, plan: Plan, report: Report, storage: str) -> None:
 def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
     views = [view for view in plan.views if view.storage == storage]
     nbytes = next(s.nbytes for s in plan.storages if s.name == storage)
-    rows = report.rows()
-    status = {row["name"]: row["status"] for row in rows}
-    extents = {row["name"]: row["extent_bytes"] for row in rows}
+    status = {row["name"]: row["status"] for row in report.rows()}
+    extents = {view.name: view.extent_bytes for view in report.views}
     groups = list(dict.fromkeys(view.group for view in views))
     # One block period says it all for a packed group; contiguous views are drawn to scale.
     period = _period(views)
     limit = period if period is not None else max([nbytes, *(extents[view.name] for view in views)])
-    for row, view in enumerate(views):
-        bad = status[view.name] != "ok"
-        colour = RED if bad else GROUP_COLOURS[groups.index(view.group) % len(GROUP_COLOURS)]
-        if period is not None:
-            segments = _segments_in_period(view, period)
-        else:
+    rows = _rows(views, status, groups)
+    for y, (_, colour, members) in enumerate(rows):
+        segments: list[tuple[int, int]] = []
+        past: list[tuple[int, int]] = []
+        for view in members:
+            if period is not None:
+                segments += _segments_in_period(view, period)
+                continue
             extent = extents[view.name]
-            inside = min(extent, nbytes) - view.byte_offset
-            segments = [(view.byte_offset, max(inside, 0))]
+            segments.append((view.byte_offset, max(min(extent, nbytes) - view.byte_offset, 0)))
             if extent > nbytes:
-                ax.broken_barh(
-                    [(max(view.byte_offset, nbytes), extent - max(view.byte_offset, nbytes))],
-                    (row - 0.4, 0.8),
-                    facecolors=RED,
-                    hatch="///",
-                    edgecolor="white",
-                )
-        ax.broken_barh(segments, (row - 0.4, 0.8), facecolors=colour, edgecolor="white")
-        if bad:
-            ax.text(limit, row, f"  {status[view.name]}", va="center", fontsize=7, color=RED)
+                past.append((max(view.byte_offset, nbytes), extent - max(view.byte_offset, nbytes)))
+        _bars(ax, y, segments, colour, len(views) > ROW_LIMIT)
+        if past:
+            ax.broken_barh(past, (y - 0.4, 0.8), facecolors=RED, hatch="///", edgecolor="white")
+        if colour == RED:
+            ax.text(limit, y, f"  {_summary(members, status)}", va="center", fontsize=7, color=RED)
     for finding in report.findings:
         byte = finding.byte
         if finding.kind == "overlap" and finding.storage == storage and byte is not None:
@@ -143,9 +209,9 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
         ax.axvline(nbytes, color="black", linewidth=1.0)
         ax.text(nbytes, -0.9, " end of storage", fontsize=7, va="bottom")
     ax.set_xlim(0, limit)
-    ax.set_ylim(len(views) - 0.4, -1.0)
-    ax.set_yticks(range(len(views)))
-    ax.set_yticklabels([view.name for view in views], fontsize=7)
+    ax.set_ylim(len(rows) - 0.4, -1.0)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([label for label, _, _ in rows], fontsize=7)
     if period is not None:
         blocks = max((view.num_blocks for view in views), default=0)
         ax.set_title(
@@ -170,7 +236,7 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
             handles=handles,
             fontsize=7,
             loc="upper center",
-            bbox_to_anchor=(0.5, -0.12 - 3.0 / max(len(views), 8)),
+            bbox_to_anchor=(0.5, -0.12 - 3.0 / max(len(rows), 8)),
             ncol=min(len(handles), 6),
             frameon=False,
         )
@@ -180,8 +246,12 @@ def _draw_storage(ax: Any, plan: Plan, report: Report, storage: str) -> None:
 def draw_map(plan: Plan, report: Report, path: str | Path) -> None:
     """Write a PNG of every storage of ``plan``, marked with ``report``'s findings."""
     drawn = panels(plan, report)
+    counts: dict[str, int] = {}
+    for view in plan.views:
+        counts[view.storage] = counts.get(view.storage, 0) + 1
+    # rows per panel: a view each, or a summary (a few rows) past ROW_LIMIT views
     heights = [
-        1.5 + 0.16 * sum(1 for view in plan.views if view.storage == storage)
+        1.5 + 0.16 * (counts.get(storage, 0) if counts.get(storage, 0) <= ROW_LIMIT else 10)
         for _, storage in drawn
     ]
     figure, axes = plt.subplots(

@@ -138,14 +138,10 @@ def block_geometry(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int, int
     its block stride in bytes (``stride(0)``) and its number of blocks (``shape[0]``); both 0 for
     a 0-d tensor."""
     itemsize = tensor.element_size()
-    if tensor.dim() == 0:
-        return tensor.untyped_storage(), int(tensor.storage_offset()) * itemsize, 0, 0
-    return (
-        tensor.untyped_storage(),
-        int(tensor.storage_offset()) * itemsize,
-        int(tensor.stride(0)) * itemsize,
-        int(tensor.shape[0]),
-    )
+    offset: int = tensor.storage_offset() * itemsize  # type: ignore[assignment]
+    if not tensor.dim():
+        return tensor.untyped_storage(), offset, 0, 0
+    return tensor.untyped_storage(), offset, tensor.stride(0) * itemsize, tensor.shape[0]
 
 
 def base_tensor(

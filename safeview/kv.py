@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 KvCaches = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
+_Tensor = _torch.Tensor
+_STRIDED = _torch._STRIDED
 
 
 class LayerSpec(Spec):
@@ -61,6 +63,8 @@ def _count(value: object, what: str) -> int:
 
 
 def _page_and_kind(layer: str, spec: object) -> tuple[int, str, BlockLayout | None]:
+    if type(spec) is int and spec > 0:  # a page size, the usual case
+        return spec, "attention", None
     if isinstance(spec, BlockLayout):
         return spec.page_bytes, "explicit", spec
     if isinstance(spec, LayerSpec):
@@ -195,20 +199,23 @@ class _Planned:
     ) -> None:
         """Plan the int8 ``(num_blocks, page_bytes)`` view with strides
         ``(block_stride_bytes, 1)`` that ``layer`` gets from ``tensor``."""
-        self.add(
-            layer,
-            tensor,
+        pairs = self._pairs
+        shape = (num_blocks, page_bytes)
+        strides = (block_stride_bytes, 1)
+        self.records.append(
             ViewRecord(
                 name,
                 storage,
                 byte_offset,
-                self.pair(num_blocks, page_bytes),
-                self.pair(block_stride_bytes, 1),
+                pairs.setdefault(shape, shape),
+                pairs.setdefault(strides, strides),
                 1,
                 group,
                 region,
-            ),
+            )
         )
+        self.layers.append(layer)
+        self.tensors.append(tensor)
 
 
 def _region(regions: Mapping[str, Region | Sequence[int]] | None, layer: str) -> Any:
@@ -258,7 +265,8 @@ def block_views(
             raise ArgumentError(f"specs has no entry for layer {layer!r}")
         page, kind, explicit = _page_and_kind(layer, specs[layer])
         page_bytes[layer] = page
-        tensors = _tensors(layer, value)
+        strided = type(value) is _Tensor and value.layout is _STRIDED
+        tensors: list[torch.Tensor] = [value] if strided else _tensors(layer, value)  # type: ignore[list-item]
         group = groups.get(layer) if groups is not None else None
         region = _region(regions, layer)
         first, offset, stride, rows = _torch.block_geometry(tensors[0])

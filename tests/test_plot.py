@@ -44,3 +44,26 @@ def test_the_legend_never_covers_the_bars() -> None:
     data_area = ax.get_window_extent(renderer)
     assert not legend.get_window_extent(renderer).overlaps(data_area)
     plt.close(figure)
+
+
+def test_a_storage_of_many_views_is_summarised_by_group_with_the_broken_ones_apart() -> None:
+    from safeview._plot import ROW_LIMIT, _merged, _rows
+
+    views = [
+        {"name": f"v{i}", "storage": "kv", "num_blocks": 2, "page_bytes": 4,
+         "block_stride_bytes": 4 * (ROW_LIMIT + 10), "byte_offset": 4 * i, "group": i % 2}
+        for i in range(ROW_LIMIT + 10)
+    ]  # fmt: skip
+    views[3]["num_blocks"] = 3  # one block past the end
+    plan = Plan.model_validate(
+        {"storages": [{"name": "kv", "nbytes": 2 * 4 * (ROW_LIMIT + 10)}], "views": views}
+    )
+    report = plan.check()
+    status = {row["name"]: row["status"] for row in report.rows()}
+    rows = _rows(list(plan.views), status, [0, 1])
+    assert [(label, len(members)) for label, _, members in rows] == [
+        (f"group 0: {(ROW_LIMIT + 10) // 2:,} views", (ROW_LIMIT + 10) // 2),
+        (f"group 1: {(ROW_LIMIT + 10) // 2 - 1:,} views", (ROW_LIMIT + 10) // 2 - 1),
+        ("with a violation: 1 views", 1),
+    ]
+    assert _merged([(8, 4), (0, 4), (4, 4), (20, 2)]) == [(0, 12), (20, 2)]
