@@ -29,6 +29,8 @@ TARGETS = {
     "strict": 1.25,
     "off": 1.05,
     "strict, BlockLayout built per call": 1.6,
+    "strict, UntypedStorage target": 1.1,
+    "off, UntypedStorage target": 1.02,
 }
 
 
@@ -40,6 +42,7 @@ def variants() -> dict[str, Callable[[], object]]:
         num_blocks=num_blocks, page_bytes=page, block_stride_bytes=stride, byte_offset=offset
     )
     shape, strides = (num_blocks, page), (stride, 1)
+    device = storage.device
 
     def baseline() -> object:
         raw = torch.empty(0, dtype=torch.int8).set_(storage)
@@ -58,6 +61,13 @@ def variants() -> dict[str, Callable[[], object]]:
         "off": lambda: make_view(kv, layout, name="layer", policy="off"),
         "strict, BlockLayout built per call": built_per_call,
         "strict, UntypedStorage target": lambda: make_view(storage, layout, policy="strict"),
+        "off, UntypedStorage target": lambda: make_view(storage, layout, policy="off"),
+        "empty(0, device=...).set_(storage) + as_strided (for scale)": lambda: torch.as_strided(
+            torch.empty(0, dtype=torch.int8, device=device).set_(storage), shape, strides, offset
+        ),
+        "four-argument set_, were it checked first (for scale)": lambda: torch.empty(
+            0, dtype=torch.int8
+        ).set_(storage, offset, shape, strides),
         "strict, policy from scope and env": lambda: make_view(kv, layout, name="layer"),
         "bare torch.as_strided(kv, ...) (for scale)": lambda: torch.as_strided(
             kv, shape, strides, offset

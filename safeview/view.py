@@ -110,13 +110,9 @@ def make_view(
                     layout=layout,
                 )
 
-    dtype = _torch.dtype(layout.dtype)
     try:
-        view = _torch.strided_view(
-            _torch.base_tensor(tensor, storage, dtype),
-            layout.shape,
-            layout.strides,
-            layout.element_offset,
+        view = _torch.view_of(
+            tensor, storage, layout.dtype, layout.shape, layout.strides, layout.element_offset
         )
     except RuntimeError as error:
         if active is Policy.OFF or extent <= storage.nbytes():
