@@ -198,8 +198,11 @@ def test_a_sanitizer_in_one_thread_does_not_see_another_thread() -> None:
     made: list[tuple[int, ...]] = []
     entered, done = threading.Event(), threading.Event()
 
+    modes: list[object] = []
+
     def other_thread() -> None:
         entered.wait(timeout=30)
+        modes.append(_get_current_dispatch_mode())  # nothing installed here: no cost per op
         made.append(tuple(torch.as_strided(meta, (5, 16), (16, 1)).shape))  # past the end
         done.set()
 
@@ -209,6 +212,7 @@ def test_a_sanitizer_in_one_thread_does_not_see_another_thread() -> None:
         entered.set()
         assert done.wait(timeout=30)
     worker.join()
+    assert modes == [None]
     assert made == [(5, 16)]  # not refused: that thread has no sanitizer
     assert seen.views == []  # and this one saw nothing of it
 
