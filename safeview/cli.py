@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from safeview import __version__
-from safeview.check import Report, check_views
+from safeview.check import Report
 from safeview.errors import SafeViewError
 from safeview.findings import KINDS, Finding
 from safeview.log import configure_from_env
@@ -289,14 +288,9 @@ def check(args: argparse.Namespace) -> int:
         label = "<stdin>" if source == STDIN else source
         outcome = _load(label, source)
         if outcome.plan is not None:
-            # This process is the command's own: the validated plan lives until the end, so the
-            # cyclic collector need not rescan it on every sweep's allocations (a library call
-            # never does this; it would change the host's interpreter).
             views = _views(len(outcome.plan.views))
             with _Progress(f"checking {views} of {label}...", progress):
-                records = outcome.plan.records()
-                gc.freeze()
-                outcome.report = check_views(outcome.plan.sizes(), records)
+                outcome.report = outcome.plan.check()
         outcomes.append(outcome)
         if outcome.error is not None and not args.quiet:
             _error(outcome.error)

@@ -178,11 +178,6 @@ class _Planned:
         key = (first, second)
         return self._pairs.setdefault(key, key)
 
-    def add(self, layer: str, tensor: torch.Tensor, record: ViewRecord) -> None:
-        self.records.append(record)
-        self.layers.append(layer)
-        self.tensors.append(tensor)
-
     def add_block(
         self,
         layer: str,
@@ -272,19 +267,17 @@ def block_views(
         first, offset, stride, rows = _torch.block_geometry(tensors[0])
         storage = planned.storages.name(first)
         if explicit is not None:
-            planned.add(
+            planned.add_block(
                 layer,
                 tensors[0],
-                ViewRecord.block(
-                    layer,
-                    storage,
-                    num_blocks=explicit.num_blocks,
-                    page_bytes=explicit.page_bytes,
-                    block_stride_bytes=explicit.block_stride_bytes,
-                    byte_offset=explicit.byte_offset,
-                    group=group,
-                    region=region,
-                ),
+                name=layer,
+                storage=storage,
+                byte_offset=explicit.byte_offset,
+                num_blocks=explicit.num_blocks,
+                page_bytes=explicit.page_bytes,
+                block_stride_bytes=explicit.block_stride_bytes,
+                group=group,
+                region=region,
             )
             continue
         if kind == "mamba":

@@ -300,15 +300,6 @@ class BlockLayout(Spec, metaclass=_Interned):
             shape=self.shape, strides=self.strides, byte_offset=self.byte_offset, dtype="int8"
         )
 
-    def describe(self) -> dict[str, Any]:
-        """The layout's numbers as log event fields."""
-        return {
-            "byte_offset": self.byte_offset,
-            "num_blocks": self.num_blocks,
-            "page_bytes": self.page_bytes,
-            "block_stride_bytes": self.block_stride_bytes,
-        }
-
 
 class StridedLayout(Spec):
     """A typed view: ``shape`` and ``strides`` in elements of ``dtype``, ``byte_offset`` in bytes (a
@@ -412,15 +403,6 @@ class StridedLayout(Spec):
         for size in self.shape:
             count *= size
         return count * self.itemsize
-
-    def describe(self) -> dict[str, Any]:
-        """The layout's numbers as log event fields."""
-        return {
-            "byte_offset": self.byte_offset,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "strides": list(self.strides),
-        }
 
 
 Layout: TypeAlias = BlockLayout | StridedLayout
