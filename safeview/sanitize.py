@@ -1,35 +1,50 @@
 """``sanitize()``: check every view that code we do not own makes, before it is made.
 
 Inside ``with safeview.sanitize() as seen:`` a dispatch mode (``safeview._torch.ViewGuard``, the
-same idea as torch's CUDA stream sanitizer) sees every aten op of this thread. For the ops that
-place a view on a storage (``aten::set_`` with a storage or tensor and a geometry,
-``aten::as_strided``, ``aten::as_strided_``, and an ``aten::resize_`` that would grow a storage
-other tensors use) it computes the exact byte extent with the checker's bounds rule and applies
-the policy: ``strict`` raises ``BoundsError`` before the op runs, so the storage is never
-reallocated; ``warn`` emits ``bounds_violation`` and lets the op run; ``off`` installs nothing.
-Every other op, and every correct view, runs as it would without the sanitizer.
+same idea as torch's CUDA stream sanitizer) sees every aten op. What an op does to memory is read
+from its schema (``safeview._torch`` says how): an op that places a tensor on a storage
+(``set_``, ``set``, ``as_strided``, ``as_strided_``) is judged before it runs; an op that would
+grow a storage other tensors use (``resize_``, ``resize_as_``, an ``out=`` tensor of the wrong
+size, whatever the op) is judged before it runs, on meta copies of its arguments; a view op
+(``view``, ``_reshape_alias``, ``slice``, ...) is judged on the view it returns, before the caller
+gets it. ``strict`` raises ``BoundsError`` (the storage is never reallocated and no view past its
+end reaches the caller); ``warn`` emits ``bounds_violation`` and lets the op run; ``off``
+installs nothing. Every other op, and every correct view, runs as it would without it.
 
-Dispatch modes are per thread: a sanitizer sees, and slows, only the thread that entered it.
+Sanitizers belong to the context that opened them: a thread, and within a thread an asyncio task
+(``contextvars``). One guard is installed per thread while any sanitizer is open in it; an op is
+judged by the innermost sanitizer open in the context that issued it, and recorded by every one.
+
+Given the layers' cache tensors (``layers=``, with ``groups=``), the views made from them (through
+``as_strided``, ``set_`` from a tensor, or any view op in between) are attributed to their layer,
+and views of two layers of one group that share a byte are an ``overlap`` finding under the
+policy, as ``check_registration`` judges the allocation. Views whose layer cannot be known (a
+``set_`` from a bare storage) are recorded, and ``seen.report()`` judges them all together.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
-from collections.abc import Callable
+import threading
+import weakref
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
+from contextvars import ContextVar, Token
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from safeview import _arith, log
-from safeview.check import Report, StorageRecord, ViewRecord, bounds, check_views
-from safeview.errors import BoundsError
+from safeview.check import Report, StorageRecord, ViewRecord, bounds, check_views, pieces
+from safeview.errors import ArgumentError, BoundsError, OverlapError
+from safeview.findings import Finding
 from safeview.plan import Plan
 from safeview.policy import Policy, PolicyArg, current_policy
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from safeview._torch import Op
+    from safeview._torch import Op, ViewGuard
 
 __all__ = ["Sanitizer", "SeenView", "sanitize"]
 
@@ -40,8 +55,9 @@ class SeenView(NamedTuple):
     """One view made under a sanitizer: the ``op`` that made it, its ``storage`` (named
     ``storage0``, ``storage1``, ... in order of first sight) on ``device`` with
     ``storage_nbytes`` bytes, its first byte, ``shape`` and ``strides`` in elements of
-    ``itemsize`` bytes of type ``dtype``, its exclusive end ``extent_bytes``, and the call site
-    (``file``, ``line``, ``function``: the first frame outside torch and safeview)."""
+    ``itemsize`` bytes of type ``dtype``, its exclusive end ``extent_bytes``, the call site
+    (``file``, ``line``, ``function``: the first frame outside torch and safeview), and the
+    ``layer`` it was made from, when the sanitizer was told the layers and could tell."""
 
     op: str
     storage: str
@@ -56,6 +72,7 @@ class SeenView(NamedTuple):
     file: str
     line: int
     function: str
+    layer: str | None = None
 
     @property
     def site(self) -> str:
@@ -64,28 +81,108 @@ class SeenView(NamedTuple):
         return f"{os.path.join(*parts)}:{self.line} in {self.function}"
 
 
+# The sanitizers open in the current context, innermost last.
+_open: ContextVar[tuple[Sanitizer, ...]] = ContextVar("safeview_sanitizers", default=())
+
+
+class _ThreadGuard(threading.local):
+    """The one guard of a thread, installed while sanitizers are open in it."""
+
+    guard: ViewGuard | None = None
+    users: int = 0
+
+
+_thread = _ThreadGuard()
+
+
+def _active() -> bool:
+    return bool(_open.get())
+
+
+def _tracks() -> bool:
+    return any(sanitizer._layer_of is not None for sanitizer in _open.get())
+
+
+def _on_view(op: Op) -> None:
+    sanitizers = _open.get()
+    if sanitizers:
+        sanitizers[-1]._on_view(op, sanitizers)
+
+
+def _on_alias(source: Any, result: Any) -> None:
+    for sanitizer in _open.get():
+        sanitizer._on_alias(source, result)
+
+
+def _on_error(error: BaseException) -> None:
+    log.internal_error(where="sanitize", error=error)
+
+
+def _install() -> _ThreadGuard:
+    state = _thread
+    if state.guard is None:
+        from safeview import _torch  # torch is needed only once a sanitizer is entered
+
+        guard = _torch.ViewGuard(_active, _on_view, _on_error, _on_alias, _tracks)
+        guard.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
+        state.guard = guard
+    state.users += 1
+    return state
+
+
+def _uninstall(state: _ThreadGuard) -> None:
+    state.users -= 1
+    if state.users > 0 or state is not _thread or state.guard is None:
+        return
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    # Only the top of the mode stack can be popped: if other code pushed a mode of its own
+    # above ours and has not popped it yet, ours stays, idle (it judges nothing outside a
+    # sanitizer), and is used again by the next sanitizer of this thread.
+    if _get_current_dispatch_mode() is state.guard:
+        guard, state.guard = state.guard, None
+        guard.__exit__(None, None, None)  # type: ignore[no-untyped-call,unused-ignore]
+
+
 class Sanitizer:
     """The record of a ``sanitize()`` block: ``views`` lists every view made inside it (also the
-    refused one, last), ``policy`` the policy it applied. Use ``sanitize()`` to make one."""
+    refused one, last), ``findings`` what it found, ``policy`` the policy it applied. Use
+    ``sanitize()`` to make one. A sanitizer may be entered again while open (the inner block
+    adds to the same record) and used as a decorator."""
 
-    def __init__(self, policy: PolicyArg | None = None) -> None:
+    def __init__(
+        self,
+        policy: PolicyArg | None = None,
+        *,
+        layers: Mapping[str, Any] | None = None,
+        groups: Mapping[str, Hashable] | None = None,
+    ) -> None:
         self._policy_arg = policy
+        self._layers_arg = layers
+        self._groups_arg = groups
         self.policy: Policy = Policy.STRICT
         self.views: list[SeenView] = []
+        self.findings: list[Finding] = []
         self._storages: dict[int, str] = {}
         self._memories: dict[str, StorageRecord] = {}
-        self._mode: Any = None
+        self._entries: list[tuple[Token[tuple[Sanitizer, ...]] | None, _ThreadGuard | None]] = []
+        self._layer_of: _LayerOf | None = None
+        self._groups: Mapping[str, Hashable] = groups or {}
+        self._attributed: dict[Hashable, list[tuple[str, str, list[_arith.Blocks]]]] = {}
 
     # -- as a context manager and a decorator -------------------------------------------------
 
     def __enter__(self) -> Sanitizer:
-        self.policy = current_policy(self._policy_arg)
+        if not self._entries:
+            self.policy = current_policy(self._policy_arg)
+            if self._layers_arg is not None and self.policy is not Policy.OFF:
+                self._layer_of = _layer_map(self._layers_arg)
         if self.policy is Policy.OFF:
+            self._entries.append((None, None))
             return self
-        from safeview import _torch  # torch is needed only once a sanitizer is entered
-
-        self._mode = _torch.ViewGuard(self._on_view, self._on_error)
-        self._mode.__enter__()
+        state = _install()
+        token = _open.set((*_open.get(), self))
+        self._entries.append((token, state))
         return self
 
     def __exit__(
@@ -94,68 +191,110 @@ class Sanitizer:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        mode, self._mode = self._mode, None
-        if mode is not None:
-            mode.__exit__(kind, error, traceback)
+        if not self._entries:
+            return
+        token, state = self._entries.pop()
+        if token is not None:
+            try:
+                _open.reset(token)
+            except ValueError:  # closed in another context, or out of order: drop this entry
+                current = list(_open.get())
+                for index in range(len(current) - 1, -1, -1):
+                    if current[index] is self:
+                        del current[index]
+                        break
+                _open.set(tuple(current))
+        if state is not None:
+            _uninstall(state)
 
     def __call__(self, function: F) -> F:
-        """Run ``function`` under a fresh sanitizer of the same policy at each call."""
+        """Run ``function`` under a fresh sanitizer of the same policy and layers at each call.
+        A generator function is sanitized while it runs, not while it is suspended; a coroutine
+        function (``async def``) for the whole of its run, in its own task's context."""
+        return _decorate(function, self._fresh)
 
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with Sanitizer(self._policy_arg):
-                return function(*args, **kwargs)
-
-        return wrapper  # type: ignore[return-value]
+    def _fresh(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sanitizer:
+        return Sanitizer(self._policy_arg, layers=self._layers_arg, groups=self._groups_arg)
 
     # -- what the guard hands over ------------------------------------------------------------
 
-    def _on_error(self, error: BaseException) -> None:
-        log.internal_error(where="sanitize", error=error)
-
-    def _on_view(self, op: Op) -> None:
+    def _on_view(self, op: Op, sanitizers: Sequence[Sanitizer]) -> None:
         try:
             seen, found = self._judge(op)
         except Exception as error:  # a failure of ours never stops the host's op
-            self._on_error(error)
+            _on_error(error)
             return
+        for other in dict.fromkeys(sanitizers):
+            if other is not self:
+                other._record(seen)
         if not found:
             return
         strict = self.policy is Policy.STRICT
-        geometry = _geometry(seen)
-        where = {"op": seen.op, "file": seen.file, "line": seen.line, "function": seen.function}
-        for finding in found:
-            log.bounds_violation(
-                finding,
-                strict=strict,
-                policy=self.policy.value,
-                device=seen.device,
-                storage_nbytes=seen.storage_nbytes,
-                geometry=geometry,
-                site=where,
-            )
-        if strict:
+        self.findings.extend(found)
+        bounds_found = [finding for finding in found if finding.kind == "out_of_bounds"]
+        overlaps = [finding for finding in found if finding.kind == "overlap"]
+        if bounds_found:
+            geometry = _geometry(seen)
+            where = {"op": seen.op, "file": seen.file, "line": seen.line, "function": seen.function}
+            for finding in bounds_found:
+                log.bounds_violation(
+                    finding,
+                    strict=strict,
+                    policy=self.policy.value,
+                    device=seen.device,
+                    storage_nbytes=seen.storage_nbytes,
+                    geometry=geometry,
+                    site=where,
+                )
+        for finding in overlaps:
+            log.overlap_violation(finding, strict=strict, policy=self.policy.value)
+        if not strict:
+            return
+        if bounds_found:
             raise BoundsError(
-                found[0],
+                bounds_found[0],
                 storage_nbytes=seen.storage_nbytes,
                 device=seen.device,
                 policy=self.policy.value,
                 op=seen.op,
                 site=seen.site,
             )
+        raise OverlapError(overlaps, policy=self.policy.value)
 
-    def _judge(self, op: Op) -> tuple[SeenView, list[Any]]:
+    def _on_alias(self, source: Any, result: Any) -> None:
+        layer_of = self._layer_of
+        if layer_of is None or source is None:
+            return
+        layer = layer_of.get(source)
+        if layer is None:
+            return
+        for tensor in result if isinstance(result, (list, tuple)) else (result,):
+            if tensor is not source:
+                layer_of[tensor] = layer
+
+    def _storage_name(self, op: Op) -> str:
         facts = op.storage
         name = self._storages.get(facts.key)
         if name is None:
             name = self._storages[facts.key] = f"storage{len(self._storages)}"
             self._memories[name] = StorageRecord(facts.nbytes, facts.memory, facts.base)
+        return name
+
+    def _record(self, seen: SeenView) -> None:
+        self.views.append(seen)
+
+    def _judge(self, op: Op) -> tuple[SeenView, list[Finding]]:
+        facts = op.storage
+        name = self._storage_name(op)
         negative = op.byte_offset < 0 or min(op.shape + op.strides, default=0) < 0
         extent = (
             op.byte_offset
             if negative
             else _arith.extent_bytes(op.byte_offset, op.shape, op.strides, op.itemsize)
         )
+        layer = None
+        if self._layer_of is not None and op.source is not None:
+            layer = self._layer_of.get(op.source)
         file, line, function = op.site
         seen = SeenView(
             op.op,
@@ -171,9 +310,15 @@ class Sanitizer:
             file,
             line,
             function,
+            layer,
         )
         self.views.append(seen)
         if negative:  # torch refuses these itself (negative offsets, sizes and strides)
+            return seen, []
+        if extent == op.byte_offset and not op.explicit:
+            # An empty tensor torch derives itself (chunk of an empty tensor, its copies in
+            # deepcopy, torch.load, autograd) may start past the end; only a placement the
+            # caller asks for is held to the empty-view rule.
             return seen, []
         found = bounds(
             None,
@@ -182,14 +327,54 @@ class Sanitizer:
             extent_bytes=extent,
             storage_nbytes=facts.nbytes,
         )
+        if not found and layer is not None and extent > op.byte_offset:
+            found = self._aliasing(seen, layer, len(self.views) - 1)
         return seen, found
+
+    def _aliasing(self, seen: SeenView, layer: str, index: int) -> list[Finding]:
+        """An ``overlap`` finding when this view, made from ``layer``'s cache, shares a byte with
+        a view made earlier from another layer of the same group."""
+        group = self._groups.get(layer)
+        if group is None:
+            return []
+        record = ViewRecord(
+            _label(index, seen), seen.storage, seen.byte_offset, seen.shape, seen.strides,
+            seen.itemsize,
+        )  # fmt: skip
+        if _arith.self_overlap(record.shape, record.strides) is not None:
+            return []  # a view that touches its own bytes twice is not a block layout to judge
+        memory = self._memories[seen.storage]
+        try:
+            mine = [part._replace(offset=part.offset + memory.base) for part in pieces(record)]
+        except ArgumentError:
+            return []
+        key = memory.memory if memory.memory is not None else ("storage", seen.storage)
+        earlier = self._attributed.setdefault((key, group), [])
+        found = []
+        for other_layer, other_name, other_pieces in earlier:
+            if other_layer == layer:
+                continue
+            byte = _first_shared(mine, other_pieces)
+            if byte is not None:
+                found.append(
+                    Finding.overlap(
+                        other_name,
+                        record.name,
+                        storage=seen.storage,
+                        byte=byte - memory.base,
+                        group=group,
+                    )
+                )
+                break
+        earlier.append((layer, record.name, mine))
+        return found
 
     # -- afterwards ---------------------------------------------------------------------------
 
     def _records(self) -> list[ViewRecord]:
         return [
             ViewRecord(
-                f"view{index} ({seen.op} at {seen.site})",
+                _label(index, seen),
                 seen.storage,
                 seen.byte_offset,
                 seen.shape,
@@ -202,18 +387,36 @@ class Sanitizer:
 
     def report(self) -> Report:
         """Every view seen, judged together by the checker: bounds, each against itself, and
-        every pair over one memory (no groups are known here, so any shared byte is reported)."""
+        every pair over one memory (no groups are known here, so any shared byte is reported,
+        also between views the code meant to share: read it as a map, not a verdict)."""
         return check_views(self._memories, self._records())
 
     def to_plan(self, path: str | Path | None = None, *, description: str | None = None) -> Plan:
         """The block-shaped views seen (int8, ``(num_blocks, page_bytes)`` with strides
-        ``(block_stride_bytes, 1)``) as a plan for ``safeview check --map``, written to ``path``
-        if given. Other views are left out, and the description says how many."""
-        records = [record for record in self._records() if record.is_block]
+        ``(block_stride_bytes, 1)``, at least one byte a page) as a plan for
+        ``safeview check --map``, written to ``path`` if given. Other views (typed, empty, a
+        stride of 0) are left out, and the description says how many."""
+        records = [
+            record
+            for record in self._records()
+            if record.is_block
+            and record.dtype == "int8"
+            and record.shape[1] >= 1
+            and (record.strides[0] >= 1 or record.shape[0] <= 1)
+        ]
+        records = [
+            record._replace(strides=(max(record.strides[0], 1), 1), dtype=None)
+            for record in records
+        ]
         left_out = len(self.views) - len(records)
         text = description or "views seen by safeview.sanitize()"
         if left_out:
-            text += f" ({left_out} views that are not int8 block views left out)"
+            noun = (
+                "view that is not an int8 block view"
+                if left_out == 1
+                else ("views that are not int8 block views")
+            )
+            text += f" ({left_out} {noun} left out)"
         devices = {seen.storage: seen.device for seen in self.views}
         sizes = {name: record.nbytes for name, record in self._memories.items()}
         plan = Plan.from_views(sizes, records, devices=devices, description=text)
@@ -222,23 +425,144 @@ class Sanitizer:
         return plan
 
 
+def _label(index: int, seen: SeenView) -> str:
+    layer = f"{seen.layer}: " if seen.layer is not None else ""
+    return f"{layer}view{index} ({seen.op} at {seen.site})"
+
+
+def _first_shared(first: Sequence[_arith.Blocks], second: Sequence[_arith.Blocks]) -> int | None:
+    lowest = None
+    for a in first:
+        for b in second:
+            byte = _arith.shared_byte(a, b)
+            if byte is not None and (lowest is None or byte < lowest):
+                lowest = byte
+    return lowest
+
+
+class _LayerOf:
+    """Tensor -> the layer it was made from, by identity (a tensor's ``==`` compares values),
+    holding no tensor alive."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[Any], str]] = {}
+
+    def __setitem__(self, tensor: Any, layer: str) -> None:
+        key = id(tensor)
+        entries = self._entries
+
+        def forget(_: object) -> None:
+            entries.pop(key, None)
+
+        entries[key] = (weakref.ref(tensor, forget), layer)
+
+    def get(self, tensor: Any) -> str | None:
+        entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1]
+
+
+def _layer_map(layers: Mapping[str, Any]) -> _LayerOf:
+    if not isinstance(layers, Mapping):
+        raise ArgumentError(
+            "layers must map each layer's name to its cache tensor (or a list of tensors); "
+            f"got {type(layers).__name__}"
+        )
+    found = _LayerOf()
+    for name, value in layers.items():
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            try:
+                found[tensor] = str(name)
+            except TypeError:
+                raise ArgumentError(
+                    f"layers[{name!r}] must be a tensor or a list of tensors; "
+                    f"got {type(tensor).__name__}"
+                ) from None
+    return found
+
+
 def _geometry(seen: SeenView) -> dict[str, Any]:
-    if seen.itemsize == 1 and len(seen.shape) == 2 and seen.strides[1:] == (1,):
+    if seen.dtype == "int8" and len(seen.shape) == 2 and seen.strides[1:] == (1,):
         return log.block_geometry(seen.byte_offset, seen.shape[0], seen.shape[1], seen.strides[0])
     return log.strided_geometry(seen.byte_offset, seen.dtype, seen.shape, seen.strides)
 
 
-def sanitize(policy: PolicyArg | None = None) -> Sanitizer:
+def _decorate(function: F, make: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> F:
+    """``function`` run under a fresh context manager from ``make(args, kwargs)`` at each call:
+    for the whole call of a plain or ``async def`` function, for each step of a generator."""
+    if inspect.isasyncgenfunction(function):
+        raise ArgumentError(
+            f"{getattr(function, '__qualname__', function)!r} is an async generator function, "
+            "which safeview cannot follow across its suspensions; use `with sanitize():` "
+            "inside it, around the code that makes views"
+        )
+    if inspect.iscoroutinefunction(function):
+
+        @functools.wraps(function)
+        async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
+            with make(args, kwargs):
+                return await function(*args, **kwargs)
+
+        return run_coroutine  # type: ignore[return-value]
+    if inspect.isgeneratorfunction(function):
+
+        @functools.wraps(function)
+        def run_generator(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+            manager = make(args, kwargs)
+            return (yield from _stepwise(function(*args, **kwargs), manager))
+
+        return run_generator  # type: ignore[return-value]
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with make(args, kwargs):
+            return function(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def _stepwise(generator: Generator[Any, Any, Any], manager: Any) -> Generator[Any, Any, Any]:
+    """Drive ``generator`` with ``manager`` entered around each step, and only then: while it is
+    suspended, its caller runs unsanitized."""
+    sent: Any = None
+    thrown: BaseException | None = None
+    while True:
+        try:
+            with manager:
+                value = generator.throw(thrown) if thrown is not None else generator.send(sent)
+        except StopIteration as stop:
+            return stop.value
+        sent, thrown = None, None
+        try:
+            sent = yield value
+        except GeneratorExit:
+            with manager:
+                generator.close()
+            raise
+        except BaseException as error:
+            thrown = error
+
+
+def sanitize(
+    policy: PolicyArg | None = None,
+    *,
+    layers: Mapping[str, Any] | None = None,
+    groups: Mapping[str, Hashable] | None = None,
+) -> Sanitizer:
     """Check every view made in a block (or a decorated function) before it is made::
 
-        with safeview.sanitize() as seen:
+        with safeview.sanitize(layers=kv_caches, groups=layer_to_group) as seen:
             connector.register_kv_caches(kv_caches)   # code you do not own, unchanged
         seen.views        # every view it made: op, storage, offset, shape, strides, call site
+        seen.report()     # all of them judged together, bounds and any shared byte
         seen.to_plan("registration.json")   # for: safeview check registration.json --map m.png
 
-    Under ``strict`` (the default) a view past the end of its storage raises ``BoundsError``
-    before the op runs, naming the op, the numbers and the call site; under ``warn`` the
-    ``bounds_violation`` event says the same and the op runs; ``off`` installs nothing. Views
-    that are correct come back exactly as torch makes them. Per thread.
+    Under ``strict`` (the default) a view past the end of its storage, or a growth of a storage
+    other tensors use, raises ``BoundsError`` before the op runs, naming the op, the numbers and
+    the call site; with ``layers`` and ``groups``, views made from two layers of one group that
+    share a byte raise ``OverlapError``. Under ``warn`` the events say the same and the op runs;
+    ``off`` installs nothing. Views that are correct come back exactly as torch makes them. Per
+    thread and per asyncio task.
     """
-    return Sanitizer(policy)
+    return Sanitizer(policy, layers=layers, groups=groups)

@@ -20,9 +20,10 @@ from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from safeview import _torch, log
-from safeview.errors import ArgumentError, SafeViewError
-from safeview.kv import Registration, _Planned, _register, check_tensors
-from safeview.policy import PolicyArg, current_policy
+from safeview.check import check_views
+from safeview.errors import ArgumentError, BoundsError, OverlapError
+from safeview.kv import Registration, _Planned, _register, _report, check_tensors
+from safeview.policy import Policy, PolicyArg, current_policy
 from safeview.sanitize import sanitize
 
 if TYPE_CHECKING:
@@ -101,6 +102,18 @@ def check_registration(
     nothing. ``ArgumentError`` when the structures are not vLLM 0.33's, naming the version.
     """
     active = current_policy(policy)
+    planned, page_bytes = _offloading_views(kv_caches, kv_cache_config)
+    return _register(planned, page_bytes, active, source="vllm")
+
+
+def _offloading_views(
+    kv_caches: Mapping[str, torch.Tensor], kv_cache_config: Any
+) -> tuple[_Planned, dict[str, int]]:
+    """The offloading worker's views of ``kv_caches``, planned (not made)."""
+    if not isinstance(kv_caches, Mapping):
+        raise ArgumentError(
+            f"kv_caches must map layer names to cache tensors; got {type(kv_caches).__name__}"
+        )
     attention_spec, uniform_specs = _spec_classes()
     try:
         num_blocks = int(kv_cache_config.num_blocks)
@@ -145,7 +158,7 @@ def check_registration(
             group=group_id,
         )
         page_bytes[layer] = page
-    return _register(planned, page_bytes, active, source="vllm")
+    return planned, page_bytes
 
 
 def _manager_blocks(
@@ -170,6 +183,81 @@ def _manager_blocks(
 # -- the plugin --------------------------------------------------------------------------------
 
 
+def _is_offloading(connector: Any) -> bool:
+    """Whether ``connector`` (or, for a ``MultiConnector``, one of the connectors it drives) is
+    vLLM's ``OffloadingConnector``, whose worker makes the views ``check_registration`` computes."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
+    except Exception:  # not in this vLLM: no connector follows those rules
+        return False
+    parts = [connector, *getattr(connector, "_connectors", ())]
+    return any(isinstance(part, OffloadingConnector) for part in parts)
+
+
+def _groups_of(config: Any) -> dict[str, Hashable]:
+    """Layer name -> the index of its KV-cache group in ``config``."""
+    return {
+        layer: index
+        for index, group in enumerate(config.kv_cache_groups)
+        for layer in group.layer_names
+    }
+
+
+def _allocation(
+    kv_caches: Mapping[str, Any], groups: Mapping[str, Hashable] | None
+) -> dict[str, Any]:
+    """The layers' cache tensors as vLLM allocated them. A layer that is in no KV-cache group and
+    holds the very same tensor as another layer is left out: vLLM's cross-layer KV sharing hands
+    such a layer its target's cache, which is one allocation, not two that alias. Layers of a
+    group are all kept, so two of them on the same bytes are found."""
+    seen: set[tuple[Any, ...]] = set()
+    distinct: dict[str, Any] = {}
+    ordered = sorted(kv_caches.items(), key=lambda item: groups is None or item[0] not in groups)
+    for layer, value in ordered:
+        tensors = value if isinstance(value, (list, tuple)) else (value,)
+        key = tuple(
+            (
+                tensor.untyped_storage()._cdata,
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+                tensor.dtype,
+            )
+            if _torch.is_strided_tensor(tensor)
+            else id(tensor)
+            for tensor in tensors
+        )
+        grouped = groups is not None and layer in groups
+        if grouped or key not in seen:
+            distinct[layer] = value
+        seen.add(key)
+    return distinct
+
+
+def _check_before_registration(connector: Any, kv_caches: Any, config: Any, active: Policy) -> Any:
+    """Judge what ``connector`` is about to register, under ``active``, making no view; return
+    the layers' groups for the sanitizer. Raises ``BoundsError`` or ``OverlapError`` under
+    strict; anything else it raises is safeview's own failure or a vLLM it does not know."""
+    if config is None:
+        check_tensors(_allocation(kv_caches, None), policy=active)
+        return None
+    groups = _groups_of(config)
+    if _is_offloading(connector):
+        # the offloading worker's own views, judged before the worker makes any
+        planned, page_bytes = _offloading_views(kv_caches, config)
+        report = check_views(
+            planned.storages.records(), planned.records, checks=active is not Policy.OFF
+        )
+        _report(report, planned.storages, active, layers=len(page_bytes), source="vllm")
+    else:
+        # any other connector: the allocation it is handed (each layer in bounds, no two layers
+        # of one group on the same bytes); its own views are judged as it makes them
+        check_tensors(_allocation(kv_caches, groups), groups=groups, policy=active)
+    return groups
+
+
 def _guarded(connector: Any, kv_cache_config: Any) -> None:
     """Replace ``connector.register_kv_caches`` by the checked one, on this instance only."""
     original = connector.register_kv_caches
@@ -178,33 +266,38 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
 
     @functools.wraps(original)
     def register_kv_caches(kv_caches: Any, *args: Any, **kwargs: Any) -> Any:
-        config = kv_cache_config or getattr(connector, "_kv_cache_config", None)
         try:
-            if config is not None:
-                check_registration(kv_caches, config)
-            else:
-                check_tensors(kv_caches, groups=_groups_of(connector))
-        except SafeViewError:
-            raise
-        except Exception as error:  # safeview's own failure never stops the server
-            log.internal_error(where="vllm register_kv_caches check", error=error)
+            active = current_policy()
+            if active is Policy.OFF:
+                return original(kv_caches, *args, **kwargs)
+            config = kv_cache_config or getattr(connector, "_kv_cache_config", None)
+            groups = _check_before_registration(connector, kv_caches, config, active)
+            guard = sanitize(active, layers=kv_caches, groups=groups)
+        except (BoundsError, OverlapError):
+            raise  # a finding, under strict: the start-up stops with its numbers
+        except Exception as error:  # safeview's own failure, or a vLLM it does not know
+            _step_aside(f"{type(error).__name__}: {error}")
             return original(kv_caches, *args, **kwargs)
-        with sanitize():
+        with guard:
             return original(kv_caches, *args, **kwargs)
 
     setattr(register_kv_caches, _PATCHED, True)
     connector.register_kv_caches = register_kv_caches
 
 
-def _groups_of(connector: Any) -> Mapping[str, Hashable] | None:
-    config = getattr(connector, "_kv_cache_config", None)
-    if config is None:
-        return None
-    return {
-        layer: index
-        for index, group in enumerate(config.kv_cache_groups)
-        for layer in group.layer_names
-    }
+_stepped_aside: list[str] = []
+
+
+def _step_aside(reason: str) -> None:
+    """Say once per process why safeview leaves a registration unchecked."""
+    if not _stepped_aside:
+        _stepped_aside.append(reason)
+        log.integration(
+            "integration_unavailable",
+            integration="vllm",
+            reason=f"register_kv_caches left unchecked: {reason}",
+            version=_vllm_version(),
+        )
 
 
 def _route_events_to_vllm() -> None:

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -23,7 +23,12 @@ if os.environ.get("SAFEVIEW_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/run tests against it")
 
+import torch
 import vllm_harness as harness  # type: ignore[import-not-found,unused-ignore]
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found,unused-ignore]
+    KVConnectorBase_V1,
+    SupportsHMA,
+)
 
 import safeview
 from safeview import ArgumentError, BoundsError, OverlapError, sanitize
@@ -292,3 +297,116 @@ def test_a_vllm_without_the_factory_gets_one_warning_and_no_patching(
     assert event["event"] == "integration_unavailable"
     assert event["level"] == "warning"
     assert "KVConnectorFactory" in event["reason"]
+
+
+# -- the plugin never stops vLLM for its own reasons, and judges each connector by its own rules -
+
+
+class RecordingConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
+    """A connector that is not the offloading one: it keeps the caches it is handed and, like a
+    connector written after LMCache's, makes a K and a V view of each layer from the layer's own
+    tensor (``v_page_of``, in elements, may put one layer's V on another's bytes)."""
+
+    received: ClassVar[list[dict[str, Any]]] = []
+    v_page_of: ClassVar[dict[str, int]] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        for layer, cache in kv_caches.items():
+            half = cache.numel() // 2  # elements; the layer's cache is contiguous (LBNHC)
+            torch.as_strided(cache, (half,), (1,), cache.storage_offset())
+            start = self.v_page_of.get(layer, cache.storage_offset() + half)
+            torch.as_strided(cache, (half,), (1,), start)
+        RecordingConnector.received.append(dict(kv_caches))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None: ...
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+    def save_kv_layer(self, *args: Any, **kwargs: Any) -> None: ...
+    def wait_for_save(self) -> None: ...
+    def get_num_new_matched_tokens(self, *args: Any, **kwargs: Any) -> Any: ...
+    def update_state_after_alloc(self, *args: Any, **kwargs: Any) -> None: ...
+    def build_connector_meta(self, *args: Any, **kwargs: Any) -> Any: ...
+    def request_finished_all_groups(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def test_under_warn_a_wrong_worker_spec_is_logged_and_vllm_carries_on_as_it_would_alone(
+    plugin: list[dict[str, Any]],
+) -> None:
+    built = harness.build("full_attention_lbnhc", "cpu", worker_page_too_big=True)
+    alone = harness.run_real_worker(
+        harness.build("full_attention_lbnhc", "cpu", worker_page_too_big=True)
+    )
+    with safeview.policy_scope("warn"):
+        run = harness.run_via_connector(built)
+    assert run.error is None
+    assert len(run.views) == len(alone.views) == 3  # warn changes nothing
+    assert run.reallocated == alone.reallocated
+    kinds = [e["event"] for e in plugin]
+    assert "bounds_violation" in kinds
+    assert "registration_checked" in kinds
+
+
+def test_a_kv_cache_config_it_does_not_know_steps_aside_and_the_registration_runs(
+    plugin: list[dict[str, Any]],
+) -> None:
+    import types
+
+    built = harness.build("full_attention_lbnhc", "cpu")
+    built.worker_kv_cache_config = types.SimpleNamespace(groups_of_a_future_vllm=[])
+    RecordingConnector.received.clear()
+    run = harness.run_via_connector(
+        built, connector="RecordingConnector", module_path=__name__, raise_errors=False
+    )
+    assert run.error is None
+    assert len(RecordingConnector.received) == 1
+    [aside] = [e for e in plugin if e["event"] == "integration_unavailable"]
+    assert "left unchecked" in aside["reason"]
+    assert "kv_cache_groups" in aside["reason"]
+
+
+def test_a_connector_that_is_not_offloading_is_judged_by_its_allocation_not_the_offloading_views(
+    plugin: list[dict[str, Any]],
+) -> None:
+    built = harness.build("full_attention_lhbnc", "cpu")
+    with pytest.raises(OverlapError):  # the offloading worker's views of it do overlap
+        check_registration(built.kv_caches, built.worker_kv_cache_config)
+    RecordingConnector.received.clear()
+    RecordingConnector.v_page_of = {}
+    run = harness.run_via_connector(built, connector="RecordingConnector", module_path=__name__)
+    assert run.error is None
+    assert len(RecordingConnector.received) == 1
+    [summary] = [
+        e for e in plugin if e["event"] == "registration_checked" and e["source"] != "vllm"
+    ]
+    assert summary["source"] == "check_tensors"
+    assert summary["violations"] == 0
+
+
+def test_a_connectors_view_of_one_layer_on_another_layers_bytes_is_refused(
+    plugin: list[dict[str, Any]],
+) -> None:
+    built = harness.build("full_attention_lbnhc", "cpu")
+    first, second = list(built.kv_caches)[:2]
+    cache = built.kv_caches[first]
+    first_v = int(cache.storage_offset()) + cache.numel() // 2  # elements of layer 0's V
+    RecordingConnector.received.clear()
+    RecordingConnector.v_page_of = {second: first_v}  # layer 1's V on layer 0's V
+    try:
+        with pytest.raises(OverlapError) as caught:
+            harness.run_via_connector(built, connector="RecordingConnector", module_path=__name__)
+    finally:
+        RecordingConnector.v_page_of = {}
+    [finding] = caught.value.findings
+    assert finding.views[0].startswith(f"{first}: ")
+    assert finding.views[1].startswith(f"{second}: ")
+    assert finding.byte == first_v * cache.element_size()
+    assert RecordingConnector.received == []
+
+
+def test_two_layers_of_one_group_handed_one_tensor_are_refused_for_any_connector(
+    plugin: list[dict[str, Any]],
+) -> None:
+    built = harness.build("full_attention_lbnhc", "cpu", alias_two_layers=True)
+    RecordingConnector.received.clear()
+    with pytest.raises(OverlapError):
+        harness.run_via_connector(built, connector="RecordingConnector", module_path=__name__)
+    assert RecordingConnector.received == []

@@ -396,8 +396,8 @@ def default_num_blocks(case: str, device: str) -> int:
 
 def _plan_case(case: str, num_blocks: int) -> tuple[Any, Any, str, list[int]]:
     """(vllm_config, kv_cache_config, layout name, kernel block sizes) for a case."""
-    if case in ("full_attention_lbnhc", "full_attention_blhnc"):
-        layout = "LBNHC" if case.endswith("lbnhc") else "BLHNC"
+    if case in ("full_attention_lbnhc", "full_attention_blhnc", "full_attention_lhbnc"):
+        layout = case.rsplit("_", 1)[1].upper()
         specs = {f"model.layers.{i}.self_attn.attn": _attn_spec() for i in range(3)}
         vllm_config, config = _planned(specs, layout, num_blocks, _T_NUM_KV_HEADS)
         return vllm_config, config, layout, [_T_BLOCK_SIZE]

@@ -1,0 +1,358 @@
+"""The guard's promises: every op that would grow a shared storage or place a view past its end is
+refused under strict before it runs, whatever the op; torch's own bookkeeping is never refused;
+sanitizers belong to their thread and asyncio task, nest, and decorate any kind of function."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import io
+import json
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from safeview import ArgumentError, BoundsError, OverlapError, sanitize
+from safeview.kv import guard_registration
+from safeview.testing import capture_events
+
+
+def shared_cache(nbytes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache and a layer's view of it: its storage has two users."""
+    kv = torch.zeros(nbytes, dtype=torch.int8)
+    return kv, kv[:16]
+
+
+def state(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+GROWING_OPS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "add_out": lambda kv: torch.add(torch.ones(128, dtype=torch.int8), 1, out=kv[:16]),
+    "cat_out": lambda kv: torch.cat([torch.ones(100, dtype=torch.int8)], out=kv[:16]),
+    "mul_out": lambda kv: torch.mul(torch.ones(100, dtype=torch.int8), 2, out=kv[:16]),
+    "resize_as_": lambda kv: kv[:16].resize_as_(torch.ones(200, dtype=torch.int8)),
+    "functional_set": lambda kv: torch.ops.aten.set.source_Storage_storage_offset(
+        torch.empty(0, dtype=torch.int8), kv.untyped_storage(), 0, [100], [1]
+    ),
+    "functional_set_out": lambda kv: torch.ops.aten.set.source_Storage_storage_offset_out(
+        torch.empty(0, dtype=torch.int8),
+        kv.untyped_storage(),
+        0,
+        [100],
+        [1],
+        out=torch.empty(0, dtype=torch.int8),
+    ),
+    "reshape_alias_past_the_end": lambda kv: torch.ops.aten._reshape_alias(kv, [1000], [1]),
+    "four_argument_set_": lambda kv: torch.empty(0, dtype=torch.int8).set_(
+        kv.untyped_storage(), 0, (5, 16), (16, 1)
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("op", sorted(GROWING_OPS))
+def test_strict_refuses_every_op_that_grows_a_shared_storage_or_views_past_it(op: str) -> None:
+    kv, layer = shared_cache()
+    before = state(kv)
+    layer.fill_(7)
+    with pytest.raises(BoundsError) as raised, sanitize("strict"):
+        GROWING_OPS[op](kv)
+    assert state(kv) == before  # never reallocated, never grown
+    assert state(layer) == before
+    assert int(layer.sum()) == 7 * 16  # and the data is where it was
+    assert raised.value.storage_nbytes == 64
+    assert raised.value.extent_bytes is not None
+    assert raised.value.extent_bytes > 64
+    assert raised.value.site is not None
+    assert "test_guard_promises.py" in raised.value.site
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("op", sorted(GROWING_OPS))
+def test_without_the_sanitizer_those_ops_do_harm(op: str) -> None:
+    """The oracle for the test above: torch alone grows the storage or makes the view."""
+    kv, _ = shared_cache()
+    before = state(kv)
+    result = GROWING_OPS[op](kv)
+    grown = state(kv) != before
+    past_end = isinstance(result, torch.Tensor) and result.numel() > kv.untyped_storage().nbytes()
+    assert grown or past_end
+
+
+def test_out_into_a_fresh_tensor_still_grows_it() -> None:
+    """Growing a storage nobody else uses is what ``out=`` is for: not refused."""
+    out = torch.empty(0, dtype=torch.int8)
+    with sanitize("strict") as seen:
+        torch.add(torch.ones(128, dtype=torch.int8), 1, out=out)
+    assert out.shape == (128,)
+    assert seen.views == []
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_warn_lets_the_growing_op_run_and_says_so() -> None:
+    kv, _ = shared_cache()
+    with capture_events() as events, sanitize("warn"):
+        torch.add(torch.ones(128, dtype=torch.int8), 1, out=kv[:16])
+    [event] = [e for e in events if e["event"] == "bounds_violation"]
+    assert event["op"] == "aten::add (out=)"
+    assert event["extent_bytes"] == 128
+    assert event["limit_bytes"] == 64
+    assert event["level"] == "warning"
+
+
+def test_untyped_storage_resize_bypasses_the_dispatcher_and_is_not_seen() -> None:
+    """What the README says the guard cannot see: a storage's own ``resize_``."""
+    kv, _layer = shared_cache()
+    with sanitize("strict") as seen:
+        kv.untyped_storage().resize_(128)
+    assert kv.untyped_storage().nbytes() == 128
+    assert seen.views == []
+
+
+def empty_chunk() -> torch.Tensor:
+    chunk = torch.zeros(4, 0).chunk(2)[1]
+    assert chunk.storage_offset() * chunk.element_size() > chunk.untyped_storage().nbytes()
+    return chunk
+
+
+def test_torchs_own_copies_of_an_empty_chunk_are_not_refused() -> None:
+    chunk = empty_chunk()
+    with sanitize("strict") as seen:
+        copied = copy.deepcopy(chunk)
+        buffer = io.BytesIO()
+        torch.save(chunk, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)
+    assert copied.shape == loaded.shape == chunk.shape
+    assert seen.findings == []
+
+
+def test_backward_through_an_in_place_op_on_a_view_is_not_refused() -> None:
+    leaf = torch.zeros(4, 0, requires_grad=True)
+    with sanitize("strict") as seen:
+        out = leaf * 2
+        out[2:].mul_(3)  # the view starts past the end of an empty storage
+        out.sum().backward()  # type: ignore[no-untyped-call]
+        base = torch.ones(4, 3, requires_grad=True)
+        doubled = base * 2
+        doubled[1:].mul_(3)
+        doubled.sum().backward()  # type: ignore[no-untyped-call]
+    assert base.grad is not None
+    assert base.grad[1:].eq(6).all()
+    assert seen.findings == []
+
+
+def test_an_empty_view_the_caller_places_far_past_the_end_is_still_refused() -> None:
+    kv, _ = shared_cache()
+    with pytest.raises(BoundsError, match="starts at byte 1000000000000"), sanitize("strict"):
+        torch.as_strided(kv, (0, 16), (16, 1), 10**12)
+
+
+# -- sanitizers per task, nested, as decorators -------------------------------------------------
+
+
+def test_two_asyncio_tasks_each_get_their_own_sanitizer() -> None:
+    meta = torch.empty(64, dtype=torch.int8, device="meta")
+
+    async def task(policy: Any, rows: int, entered: asyncio.Event, go: asyncio.Event) -> Any:
+        with sanitize(policy) as seen:
+            entered.set()
+            await go.wait()
+            try:
+                torch.as_strided(meta, (rows, 16), (16, 1))
+            except BoundsError as error:
+                return seen, error
+        return seen, None
+
+    async def main() -> tuple[Any, Any]:
+        a_in, b_in, go_a, go_b = (asyncio.Event() for _ in range(4))
+        a = asyncio.create_task(task("strict", 4, a_in, go_a))
+        b = asyncio.create_task(task("warn", 5, b_in, go_b))
+        await a_in.wait()
+        await b_in.wait()
+        go_a.set()
+        result_a = await a  # A closes first, while B is still open
+        go_b.set()
+        return result_a, await b
+
+    with capture_events() as events:
+        (seen_a, error_a), (seen_b, error_b) = asyncio.run(main())
+    assert error_a is None  # A's view fits
+    assert error_b is None  # B is warn: logged, not raised
+    assert [v.shape for v in seen_a.views] == [(4, 16)]  # A did not record B's view
+    assert [v.shape for v in seen_b.views] == [(5, 16)]
+    assert [e["policy"] for e in events if e["event"] == "bounds_violation"] == ["warn"]
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_sanitizer_entered_twice_is_gone_after_both_exits() -> None:
+    guard = sanitize()
+    with guard:
+        with guard:
+            pass
+        assert _get_current_dispatch_mode() is not None
+    assert _get_current_dispatch_mode() is None
+
+
+def test_nested_sanitizers_both_record_and_the_inner_policy_decides() -> None:
+    meta = torch.empty(64, dtype=torch.int8, device="meta")
+    with sanitize("strict") as outer:
+        with sanitize("warn") as inner:
+            torch.as_strided(meta, (5, 16), (16, 1))  # warn: runs
+        with pytest.raises(BoundsError):
+            torch.as_strided(meta, (6, 16), (16, 1))
+    assert [v.shape for v in inner.views] == [(5, 16)]
+    assert [v.shape for v in outer.views] == [(5, 16), (6, 16)]
+
+
+def test_a_decorated_generator_is_checked_while_it_runs_and_only_then() -> None:
+    meta = torch.empty(64, dtype=torch.int8, device="meta")
+
+    @sanitize("strict")
+    def views(rows: list[int]) -> Generator[torch.Tensor, None, str]:
+        for count in rows:
+            yield torch.as_strided(meta, (count, 16), (16, 1))
+        return "done"
+
+    made = views([2, 4, 5])
+    assert next(made).shape == (2, 16)
+    # suspended: the caller's own view past the end is not the generator's business
+    assert torch.as_strided(meta, (9, 16), (16, 1)).shape == (9, 16)
+    assert next(made).shape == (4, 16)
+    with pytest.raises(BoundsError):
+        next(made)
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_decorated_coroutine_is_checked_across_its_awaits() -> None:
+    meta = torch.empty(64, dtype=torch.int8, device="meta")
+
+    @sanitize("strict")
+    async def register(rows: int) -> torch.Tensor:
+        await asyncio.sleep(0)
+        return torch.as_strided(meta, (rows, 16), (16, 1))
+
+    assert asyncio.run(register(4)).shape == (4, 16)
+    with pytest.raises(BoundsError):
+        asyncio.run(register(5))
+    assert _get_current_dispatch_mode() is None
+
+
+def test_an_async_generator_is_refused_at_decoration_time() -> None:
+    async def views() -> Any:
+        yield 1
+
+    with pytest.raises(ArgumentError, match="async generator"):
+        sanitize()(views)
+
+
+def test_guard_registration_on_an_async_method_checks_its_body() -> None:
+    kv = torch.zeros(64, dtype=torch.int8)
+
+    class Connector:
+        @guard_registration
+        async def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+            await asyncio.sleep(0)
+            torch.empty(0, dtype=torch.int8).set_(kv.untyped_storage(), 0, (5, 16), (16, 1))
+
+    with pytest.raises(BoundsError):
+        asyncio.run(Connector().register_kv_caches({"layer.0": kv}))
+    assert state(kv)[1] == 64
+
+
+# -- what it records and reports ---------------------------------------------------------------
+
+
+def test_to_plan_leaves_out_empty_and_stride_zero_views() -> None:
+    kv = torch.zeros(64, dtype=torch.int8)
+    with sanitize() as seen:
+        torch.as_strided(kv, (4, 0), (1, 1))
+        torch.as_strided(kv, (4, 16), (0, 1))
+        torch.as_strided(kv, (4, 16), (16, 1))
+    plan = seen.to_plan()
+    assert [(v.num_blocks, v.page_bytes, v.block_stride_bytes) for v in plan.views] == [(4, 16, 16)]
+    assert plan.description is not None
+    assert "2 views that are not" in plan.description
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bool])
+def test_bounds_events_of_other_one_byte_types_carry_their_dtype(dtype: torch.dtype) -> None:
+    kv = torch.zeros(64, dtype=dtype)
+    with capture_events() as events, sanitize("warn"), pytest.raises(RuntimeError):
+        torch.as_strided(kv, (5, 16), (16, 1))  # torch refuses on CPU after the event
+    [event] = [e for e in events if e["event"] == "bounds_violation"]
+    assert event["dtype"] == str(dtype).removeprefix("torch.")
+    assert event["shape"] == [5, 16]
+    assert event["strides"] == [16, 1]
+    assert "num_blocks" not in event
+
+
+# -- aliasing between layers, seen under the guard ----------------------------------------------
+
+
+def two_layer_cache() -> dict[str, torch.Tensor]:
+    raw = torch.zeros(4 * 1024, dtype=torch.int8)
+    return {"layers.0": raw[:2048], "layers.1": raw[2048:]}
+
+
+def lmcache_like(kv_caches: dict[str, torch.Tensor], v_offset_of_layer_1: int) -> None:
+    """K and V views of each layer, made from the layer's own tensor; layer 1's V offset is the
+    connector's own number."""
+    for index, (_, cache) in enumerate(kv_caches.items()):
+        torch.as_strided(cache, (2, 512), (1024, 1), cache.storage_offset())  # K
+        v = v_offset_of_layer_1 if index == 1 else cache.storage_offset() + 512
+        torch.as_strided(cache, (2, 512), (1024, 1), v)  # V
+
+
+def test_a_layers_view_on_another_layers_bytes_is_refused_within_a_group() -> None:
+    caches = two_layer_cache()
+    groups = {"layers.0": 0, "layers.1": 0}
+    with sanitize("strict", layers=caches, groups=groups) as seen:
+        lmcache_like(caches, v_offset_of_layer_1=2048 + 512)  # correct
+    assert seen.findings == []
+    with (
+        pytest.raises(OverlapError, match=r"layers\.1") as raised,
+        sanitize("strict", layers=caches, groups=groups),
+    ):
+        lmcache_like(caches, v_offset_of_layer_1=512)  # on layer 0's V
+    [finding] = raised.value.findings
+    assert finding.byte == 512
+    assert finding.group == 0
+    assert finding.views[0].startswith("layers.0: ")
+    assert finding.views[1].startswith("layers.1: ")
+
+
+def test_layers_of_different_groups_may_share_bytes_under_the_guard() -> None:
+    caches = two_layer_cache()
+    with sanitize("strict", layers=caches, groups={"layers.0": 0, "layers.1": 1}) as seen:
+        lmcache_like(caches, v_offset_of_layer_1=512)
+    assert seen.findings == []
+    assert {v.layer for v in seen.views} == {"layers.0", "layers.1"}
+
+
+def test_under_warn_the_aliasing_is_an_event_and_the_views_are_made() -> None:
+    caches = two_layer_cache()
+    with (
+        capture_events() as events,
+        sanitize("warn", layers=caches, groups={"layers.0": 0, "layers.1": 0}) as seen,
+    ):
+        lmcache_like(caches, v_offset_of_layer_1=512)
+    [event] = [e for e in events if e["event"] == "overlap_violation"]
+    assert event["kind"] == "overlap"
+    assert event["byte"] == 512
+    assert event["policy"] == "warn"
+    assert len(seen.views) == 4
+    json.dumps(event)
+
+
+def test_views_derived_through_view_ops_keep_their_layer() -> None:
+    caches = two_layer_cache()
+    with sanitize("strict", layers=caches, groups={"layers.0": 0, "layers.1": 0}) as seen:
+        reshaped = caches["layers.1"].view(2, 1024)[:, :512]
+        torch.as_strided(reshaped, (2, 512), (1024, 1), 2048)
+    assert [v.layer for v in seen.views] == ["layers.1"]
