@@ -170,10 +170,32 @@ def view_of(
     shape: Sequence[int],
     strides: Sequence[int],
     element_offset: int,
+    fits: bool = False,
 ) -> torch.Tensor:
-    """``make_view``'s one call into torch: ``base_tensor`` then ``as_strided``."""
+    """``make_view``'s one call into torch.
+
+    ``as_strided`` of ``tensor`` itself when it can be the base (``base_tensor``). Otherwise,
+    when the caller has proven that the view fits (``fits``: its extent is at most
+    ``storage.nbytes()``), the four-argument ``set_`` on a new empty tensor, which places it on
+    the storage in one call: torch grows a storage only for a view that needs more bytes than it
+    has, so on a view that fits (an empty one included) it changes nothing: not the size, not
+    the address, not the other tensors over it (tests/test_view.py shows it on cpu and meta, for
+    every policy). A view that does not fit is made by ``as_strided`` on the one-argument
+    ``set_``, which never grows anything: torch refuses it on cpu and cuda and makes it on meta.
+    """
     dtype_ = _DTYPES.get(dtype_name_) or dtype(dtype_name_)
-    return torch.as_strided(base_tensor(tensor, storage, dtype_), shape, strides, element_offset)
+    if (
+        tensor is not None
+        and tensor.dtype is dtype_
+        and type(tensor) is torch.Tensor
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    ):
+        return torch.as_strided(tensor, shape, strides, element_offset)
+    empty = torch.empty(0, dtype=dtype_, device=storage.device)
+    if fits:
+        return empty.set_(storage, element_offset, shape, strides)
+    return torch.as_strided(empty.set_(storage), shape, strides, element_offset)
 
 
 def strided_view(
@@ -283,6 +305,7 @@ class _Schema(NamedTuple):
     defaults: dict[str, Any]
     written: tuple[str, ...]  # names of the written tensor arguments
     aliased: str | None  # the argument a returned alias is a view of
+    aliased_index: int  # its position
 
 
 _SCHEMAS: dict[Any, _Schema] = {}
@@ -333,7 +356,8 @@ def _schema_of(func: Any) -> _Schema:
         kind = "writes"
     elif aliased is not None:
         kind = "view"
-    found = _SCHEMAS[func] = _Schema(kind, names, defaults, written, aliased)
+    index = names.index(aliased) if aliased is not None else len(names)
+    found = _SCHEMAS[func] = _Schema(kind, names, defaults, written, aliased, index)
     return found
 
 
@@ -612,11 +636,13 @@ def _dispatch(
     kwargs = kwargs or {}
     if not self.active():
         return func(*args, **kwargs)
+    schema = _SCHEMAS.get(func)
     try:
-        schema = _schema_of(func)
+        if schema is None:
+            schema = _schema_of(func)
         kind = schema.kind
         op = None
-        if kind:
+        if kind and kind != "view":
             bound = _bind(schema, args, kwargs)
             describe = _BEFORE.get(kind)
             if describe is not None:
@@ -631,7 +657,9 @@ def _dispatch(
     result = func(*args, **kwargs)
     if kind == "view":
         try:
-            source = bound.get(schema.aliased) if schema.aliased else None
+            assert schema is not None
+            index = schema.aliased_index
+            source = args[index] if index < len(args) else kwargs.get(schema.aliased or "")
             returned = _returned_views(func, result, source)
             if self.on_alias is not None and self.tracks is not None and self.tracks():
                 self.on_alias(source, result)

@@ -44,10 +44,21 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 
 stdlib_logger = logging.getLogger(LOGGER_NAME)
 stdlib_logger.addHandler(logging.NullHandler())
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-# Frames skipped to find the caller a record points at: safeview's own, and torch's dispatcher
-# for the events the sanitizer emits from inside an op.
-_SKIPPED = (_PACKAGE + os.sep, os.sep + "torch" + os.sep)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Frames skipped to find the caller a record points at: safeview's own, and torch's (the
+# dispatcher, for the events the sanitizer emits from inside an op), by the installed torch
+# package's folder, not by a folder name: code of the host's under a folder named torch/ is
+# the host's.
+_torch_dir: list[str] = []
+
+
+def _skipped() -> tuple[str, ...]:
+    if not _torch_dir:
+        path = getattr(sys.modules.get("torch"), "__file__", None)
+        if not isinstance(path, str):
+            return (_PACKAGE,)  # no torch imported yet: no frame of torch's to skip
+        _torch_dir.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return (_PACKAGE, _torch_dir[0])
 
 
 def enabled(level: int) -> bool:
@@ -64,7 +75,8 @@ def _message(fields: dict[str, Any]) -> str:
 def _caller() -> tuple[str, int, str]:
     """File, line and function of the first frame outside safeview and torch."""
     frame = sys._getframe(2)
-    while frame.f_back is not None and any(part in frame.f_code.co_filename for part in _SKIPPED):
+    skipped = _skipped()
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(skipped):
         frame = frame.f_back
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
 
@@ -88,6 +100,14 @@ def _emit(level: int, fields: dict[str, Any]) -> None:
         stdlib_logger.handle(record)
     except Exception:  # a failing handler, filter or formatter of the host's
         pass
+
+
+def _group(group: object) -> object:
+    """A group as JSON can carry it: a string or an integer as it is, anything else (a float,
+    ``inf`` included, a tuple) as its text."""
+    if group is None or (isinstance(group, (str, int)) and not isinstance(group, bool)):
+        return group
+    return str(group)
 
 
 def _levels(strict: bool) -> int:
@@ -173,7 +193,38 @@ def overlap_violation(finding: Finding, *, strict: bool, policy: str) -> None:
             "views": list(finding.views),
             "storage": finding.storage,
             "byte": finding.byte,
-            "group": finding.group,
+            "group": _group(finding.group),
+            "policy": policy,
+            "message": finding.message,
+        },
+    )
+
+
+def address_violation(finding: Finding, *, strict: bool, policy: str, source: str) -> None:
+    """``address_violation`` (ERROR under strict, WARNING under warn): a descriptor for a transfer
+    engine that misses the pages it must hit, or a region registered twice (a finding of
+    ``safeview.transfer``); ``source`` is the call that checked it."""
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    _emit(
+        level,
+        {
+            "event": "address_violation",
+            "source": source,
+            "kind": finding.kind,
+            "rows": list(finding.rows),
+            "address": finding.address,
+            "length_bytes": finding.length_bytes,
+            "device": finding.device,
+            "stride_bytes": finding.stride_bytes,
+            "count": finding.count,
+            "element": finding.element,
+            "layers": list(finding.views),
+            "layer": finding.layer,
+            "storage": finding.storage,
+            "byte_offset": finding.byte_offset,
+            "byte": finding.byte,
             "policy": policy,
             "message": finding.message,
         },

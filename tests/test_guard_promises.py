@@ -6,17 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib
 import io
 import json
+import logging
 from collections.abc import Callable, Generator
+from math import inf
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from safeview import ArgumentError, BoundsError, OverlapError, sanitize
-from safeview.kv import guard_registration
+from safeview import (
+    ArgumentError,
+    BoundsError,
+    OverlapError,
+    SafeViewError,
+    configure_logging,
+    reset_logging,
+    sanitize,
+)
+from safeview.kv import block_views, check_tensors, guard_registration
 from safeview.testing import capture_events
 
 
@@ -356,3 +368,116 @@ def test_views_derived_through_view_ops_keep_their_layer() -> None:
         reshaped = caches["layers.1"].view(2, 1024)[:, :512]
         torch.as_strided(reshaped, (2, 512), (1024, 1), 2048)
     assert [v.layer for v in seen.views] == ["layers.1"]
+
+
+# -- events exactly as the table says ----------------------------------------------------------
+
+
+def test_check_tensors_under_off_still_sums_up_the_registration() -> None:
+    kv = torch.zeros(64, dtype=torch.int8)
+    with capture_events() as events:
+        check_tensors({"a": kv[:32], "b": kv[16:48]}, groups={"a": 0, "b": 0}, policy="off")
+    [summary] = events
+    assert summary["event"] == "registration_checked"
+    assert summary["checked"] is False
+    assert summary["violations"] == 0
+
+
+def test_an_infinite_group_is_written_as_json_text() -> None:
+    stream = io.StringIO()
+    configure_logging("json", level="WARNING", stream=stream)
+    try:
+        kv = torch.zeros(64, dtype=torch.int8)
+        check_tensors({"a": kv[:32], "b": kv[16:48]}, groups={"a": inf, "b": inf}, policy="warn")
+    finally:
+        reset_logging()
+    [line] = [line for line in stream.getvalue().splitlines() if "overlap_violation" in line]
+    event = json.loads(line)  # strict JSON: no bare Infinity
+    assert event["group"] == "inf"
+    assert "Infinity" not in line
+
+
+def test_records_from_code_under_a_folder_named_torch_point_at_that_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "torch"
+    folder.mkdir()
+    (folder / "my_connector.py").write_text(
+        "from safeview.kv import check_tensors\n"
+        "def register(kv):\n"
+        "    views = {'a': kv[:32], 'b': kv[16:48]}\n"
+        "    check_tensors(views, groups={'a': 0, 'b': 0}, policy='warn')\n"
+    )
+    monkeypatch.syspath_prepend(str(folder))
+    module = importlib.import_module("my_connector")
+    with caplog.at_level(logging.WARNING, logger="safeview"):
+        module.register(torch.zeros(64, dtype=torch.int8))
+    [record] = [r for r in caplog.records if "overlap_violation" in r.getMessage()]
+    assert record.pathname == str(folder / "my_connector.py")
+    assert (record.funcName, record.lineno) == ("register", 4)
+
+
+# -- every error from safeview's own functions is a SafeViewError -------------------------------
+
+
+def _kv() -> torch.Tensor:
+    return torch.zeros(64, dtype=torch.int8)
+
+
+BAD_CALLS: dict[str, Callable[[], Any]] = {
+    "block_views_of_none": lambda: block_views(None, {}, num_blocks=1),  # type: ignore[arg-type]
+    "block_views_of_a_list_without_its_specs": lambda: block_views(
+        [_kv()], {"a": 16}, num_blocks=4
+    ),
+    "block_views_specs_none": lambda: block_views({"a": _kv()}, None, num_blocks=1),  # type: ignore[arg-type]
+    "block_views_num_blocks_str": lambda: block_views({"a": _kv()}, {"a": 16}, num_blocks="4"),  # type: ignore[arg-type]
+    "block_views_groups_list": lambda: block_views(
+        {"a": _kv()},
+        {"a": 16},
+        num_blocks=4,
+        groups=[0],  # type: ignore[arg-type]
+    ),
+    "block_views_region_reversed": lambda: block_views(
+        {"a": _kv()}, {"a": 16}, num_blocks=4, regions={"a": (5, 1)}
+    ),
+    "block_views_packed_int": lambda: block_views(
+        {"a": _kv()},
+        {"a": 16},
+        num_blocks=4,
+        packed=3,  # type: ignore[arg-type]
+    ),
+    "block_views_packed_str": lambda: block_views(
+        {"a": _kv()}, {"a": 16}, num_blocks=4, packed="a"
+    ),
+    "check_tensors_of_none": lambda: check_tensors(None),  # type: ignore[arg-type]
+    "check_tensors_of_an_int": lambda: check_tensors({"a": 3}),  # type: ignore[dict-item]
+    "check_tensors_groups_list": lambda: check_tensors({"a": _kv()}, groups=[1]),  # type: ignore[arg-type]
+    "sanitize_layers_list": lambda: sanitize(layers=[_kv()]).__enter__(),  # type: ignore[arg-type]
+    "sanitize_unknown_policy": lambda: sanitize("lax").__enter__(),  # type: ignore[arg-type]
+}
+
+
+@pytest.mark.parametrize("call", sorted(BAD_CALLS))
+def test_bad_arguments_raise_a_safeview_error_naming_them(call: str) -> None:
+    with pytest.raises(SafeViewError) as raised:
+        BAD_CALLS[call]()
+    message = str(raised.value)
+    assert any(word in message for word in ("kv_caches", "specs", "num_blocks", "groups",
+                                            "regions", "packed", "layers", "policy"))  # fmt: skip
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_list_of_layers_is_a_registration_with_layers_named_by_position() -> None:
+    kv = torch.zeros(4 * 64, dtype=torch.int8)
+    caches = [kv[:128], kv[128:]]
+    registration = block_views(caches, {"0": 32, "1": 32}, num_blocks=4)
+    assert list(registration.tensors_per_block) == ["0", "1"]
+
+    class Connector:
+        @guard_registration(groups={"0": 0, "1": 0})
+        def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> int:
+            return len(kv_caches)
+
+    assert Connector().register_kv_caches(caches) == 2
+    with pytest.raises(OverlapError):
+        Connector().register_kv_caches([kv[:128], kv[64:192]])
