@@ -17,7 +17,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from safeview.check import Report
-from safeview.errors import ArgumentError, BoundsError, ConfigError, OverlapError, SafeViewError
+from safeview.errors import (
+    AddressError,
+    ArgumentError,
+    BoundsError,
+    ConfigError,
+    OverlapError,
+    SafeViewError,
+)
 from safeview.findings import Finding
 from safeview.log import configure_from_env, configure_logging, reset_logging
 from safeview.overlap import find_overlaps
@@ -33,6 +40,7 @@ if TYPE_CHECKING:
 __version__ = "0.2.0"
 
 __all__ = [
+    "AddressError",
     "ArgumentError",
     "BlockLayout",
     "BoundsError",
@@ -83,12 +91,30 @@ def __dir__() -> list[str]:
 
 def _running_the_command() -> bool:
     """Whether this process is the ``safeview`` command, which reports a bad environment
-    variable itself, in one line, with exit status 2."""
+    variable itself, in one line, with exit status 2: its console script, or
+    ``python [OPTIONS] -m safeview`` whatever the options (``-X importtime``, ``-u``)."""
     import os
     import sys
 
-    argv = getattr(sys, "orig_argv", sys.argv)
-    return os.path.basename(sys.argv[0]) == "safeview" or list(argv[1:3]) == ["-m", "safeview"]
+    if os.path.splitext(os.path.basename(sys.argv[0]))[0] == "safeview":
+        return True
+    # the module that `python [OPTIONS] -m MODULE` runs, read from the interpreter's arguments
+    rest = iter(getattr(sys, "orig_argv", sys.argv)[1:])
+    for argument in rest:
+        if argument in ("-", "--") or not argument.startswith("-"):
+            return False  # a script, or standard input
+        if argument == "--check-hash-based-pycs":
+            next(rest, None)
+        if argument.startswith("--"):
+            continue
+        flags = argument[1:]  # one-letter options, maybe with a value: -u, -um, -Ximporttime
+        for at, flag in enumerate(flags):
+            if flag in "cmWX":
+                value = flags[at + 1 :] or next(rest, None)
+                if flag in "cm":
+                    return flag == "m" and value in ("safeview", "safeview.cli")
+                break
+    return False
 
 
 try:

@@ -1,7 +1,5 @@
 """``python -m safeview``: the same as the ``safeview`` command."""
 
-import sys
+from safeview.cli import command
 
-from safeview.cli import main
-
-sys.exit(main())
+command()

@@ -2,22 +2,31 @@
 
 A plan names its storages (``name``, ``nbytes``) and its block views (``name``, ``storage``,
 ``num_blocks``, ``page_bytes``, ``block_stride_bytes``, ``byte_offset``, optional ``group`` and
-``region``). ``safeview check PLAN.json`` validates it with ``Plan`` and judges it with the one
-checker (``safeview.check.check_views``); ``Registration.to_plan()`` and ``sanitize().to_plan()``
-write one from a live process.
+``region``), and may name the schema it follows with a ``"$schema"`` key (``Plan.dump`` writes
+``PLAN_SCHEMA``, the ``$id`` of the schema ``safeview schema`` prints). ``safeview check PLAN.json``
+validates it with ``Plan`` and judges it with the one checker (``safeview.check.check_views``);
+``Registration.to_plan()`` and ``sanitize().to_plan()`` write one from a live process.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import Field, GetJsonSchemaHandler, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    ValidationError,
+    model_validator,
+)
 from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
+from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticKnownError, core_schema
 
 from safeview.check import Report, ViewRecord, check_views
 from safeview.spec import INT64_MAX, Count, Positive, Region, Spec, field_error
@@ -25,7 +34,12 @@ from safeview.spec import INT64_MAX, Count, Positive, Region, Spec, field_error
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["Plan", "PlanStorage", "PlanView"]
+__all__ = ["PLAN_SCHEMA", "Plan", "PlanStorage", "PlanView"]
+
+PLAN_SCHEMA = "urn:safeview:plan:1"
+"""What ``Plan.dump`` writes as a plan's ``"$schema"``: the ``$id`` of the JSON Schema that
+``safeview schema`` prints (``safeview schema > plan.schema.json`` keeps a copy for an editor).
+A URN names the schema without claiming an address; any other string is accepted on reading."""
 
 Name = Annotated[str, Field(min_length=1)]
 
@@ -79,9 +93,35 @@ class Plan(Spec):
     True
     """
 
+    model_config = ConfigDict(json_schema_extra={"$id": PLAN_SCHEMA})
+
+    schema_uri: str = Field(
+        default=PLAN_SCHEMA,
+        alias="$schema",
+        title="$schema",
+        description="the schema this plan follows (an editor may point it at a copy)",
+    )
     description: str | None = None
     storages: list[PlanStorage] = Field(min_length=1)
     views: list[PlanView]
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unknown_keys_first(cls, data: Any, handler: Callable[[Any], Plan]) -> Plan:
+        # A misspelt key shows up twice, as an unknown key and as a missing field; the unknown
+        # key is the cause, so it comes first, with the key that was probably meant.
+        try:
+            return handler(data)
+        except ValidationError as error:
+            raise _with_unknown_keys_first(error) from None
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Plan:
+        fields = type(self).model_fields
+        data = {fields[name].alias or name: getattr(self, name) for name in fields}
+        for name, value in (update or {}).items():
+            field = fields.get(name)
+            data[field.alias or name if field is not None else name] = value
+        return self.model_validate(data)
 
     @model_validator(mode="after")
     def _names_resolve(self) -> Self:
@@ -206,9 +246,14 @@ class Plan(Spec):
         return cls.model_validate(data)
 
     def dump(self, path: str | Path) -> None:
-        """Write the plan as indented JSON."""
-        data = self.model_dump(mode="json", exclude_none=True)
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        """Write the plan as indented JSON, its ``"$schema"`` first (``PLAN_SCHEMA`` unless the
+        plan names another)."""
+        Path(path).write_text(self.to_json_text())
+
+    def to_json_text(self) -> str:
+        """The text ``dump`` writes."""
+        data = self.model_dump(mode="json", exclude_none=True, by_alias=True)
+        return json.dumps(data, indent=2) + "\n"
 
 
 class _Object(dict[str, Any]):
@@ -249,6 +294,53 @@ def _plan_error(loc: tuple[str | int, ...], value: Any, kind: str, message: str)
     return ValidationError.from_exception_data(
         "Plan", [InitErrorDetails(type=error, loc=loc, input=value)]
     )
+
+
+def _models_by_place() -> dict[tuple[str, ...], type[BaseModel]]:
+    return {(): Plan, ("storages",): PlanStorage, ("views",): PlanView, ("views", "region"): Region}
+
+
+def _unknown_key(loc: tuple[str | int, ...]) -> str:
+    """The message for an unknown key at ``loc``: the known key it is closest to, or them all."""
+    key = str(loc[-1])
+    model = _models_by_place().get(tuple(str(part) for part in loc[:-1] if isinstance(part, str)))
+    if model is None:
+        return f"unknown key {key!r}"
+    known = [field.alias or name for name, field in model.model_fields.items()]
+    lowered = {name.lower(): name for name in known}
+    # a key cut short ('end' for 'end_byte') first, then the closest spelling
+    near = [name for name in known if name.lower().startswith(key.lower())]
+    if len(near) != 1:
+        near = [lowered[n] for n in difflib.get_close_matches(key.lower(), lowered, 1, 0.6)]
+    if near:
+        return f"unknown key {key!r}; did you mean {near[0]!r}?"
+    return f"unknown key {key!r}; known keys: {', '.join(known)}"
+
+
+def _with_unknown_keys_first(error: ValidationError) -> ValidationError:
+    """``error`` with its unknown keys first, each saying which key was probably meant; the
+    other errors as they were (same type, location, input and context)."""
+    errors = error.errors(include_url=False)
+    if not any(e["type"] == "extra_forbidden" for e in errors):
+        return error
+    details = []
+    for e in sorted(errors, key=lambda e: e["type"] != "extra_forbidden"):
+        kind: str | PydanticCustomError
+        if e["type"] == "extra_forbidden":
+            kind = PydanticCustomError(
+                "unknown_key", "{message}", {"message": _unknown_key(e["loc"])}
+            )
+        else:
+            kind = e["type"]
+            try:
+                PydanticKnownError(kind, e.get("ctx"))  # type: ignore[arg-type]
+            except (KeyError, TypeError, ValueError):  # a custom error type: keep its message
+                kind = PydanticCustomError(kind, "{message}", {"message": e["msg"]})
+        detail = InitErrorDetails(type=kind, loc=e["loc"], input=e["input"])
+        if isinstance(kind, str) and "ctx" in e:
+            detail["ctx"] = e["ctx"]
+        details.append(detail)
+    return ValidationError.from_exception_data(error.title, details)
 
 
 def _plan_group(group: Hashable | None) -> str | int | None:

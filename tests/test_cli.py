@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pty
 import select
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from safeview import overlap
 from safeview.cli import main
-from safeview.plan import Plan
+from safeview.plan import PLAN_SCHEMA, Plan
 
 PLANS = Path(__file__).parent.parent / "examples" / "plans"
 CLEAN = str(PLANS / "vllm_unit_test.json")
@@ -81,7 +85,7 @@ def test_broken_plan_exits_1_and_says_what_is_wrong(capsys: pytest.CaptureFixtur
     assert main(["check", ALIASING, "-v"]) == 1
     assert (
         "      views 'model.layers.6.self_attn' and 'model.layers.7.self_attn' (group 0) "
-        "both use byte 302592 of storage 'kv'"
+        "both use byte 302,592 of storage 'kv'"
     ) in capsys.readouterr().out.splitlines()
 
 
@@ -135,7 +139,7 @@ def test_json_report_lists_violations_by_kind(
     code = main(["check", str(PLANS / file_name), "--json"])
     document = json.loads(capsys.readouterr().out)
     assert code == (1 if kinds else 0)
-    assert document["schema_version"] == 1
+    assert document["schema_version"] == 2
     assert document["exit_code"] == code
     assert document["status"] == (sorted(kinds) or ["clean"])
     [report] = document["plans"]
@@ -457,7 +461,7 @@ def test_duplicate_keys_are_refused_with_their_location(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("change", "where"),
-    [({"pages": 3}, "views.0.pages: Extra inputs are not permitted"),
+    [({"pages": 3}, "views.0.pages: unknown key 'pages'; did you mean 'page_bytes'?"),
      ({"num_blocks": -1}, "views.0.num_blocks: Input should be greater than or equal to 0")],
 )  # fmt: skip
 def test_what_the_schema_refuses_check_refuses(
@@ -471,3 +475,319 @@ def test_what_the_schema_refuses_check_refuses(
     result = _safeview("check", str(tmp_path / "plan.json"))
     assert result.returncode == 2
     assert where in _one_error_line(result.stderr)
+
+
+# -- every entry form, every subcommand: a bad SAFEVIEW_* variable is one line and exit 2 ----------
+
+_BAD_FORMAT = (
+    "safeview: SAFEVIEW_LOG_FORMAT='bogus' is not a valid value; allowed values: json, console"
+)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [["-m", "safeview"], ["-X", "importtime", "-m", "safeview"], ["-u", "-m", "safeview"],
+     ["-um", "safeview"], ["-W", "ignore", "-msafeview"], ["script"]],
+    ids=["-m", "-X importtime -m", "-u -m", "-um", "-W ignore -msafeview", "console script"],
+)  # fmt: skip
+def test_a_bad_log_format_is_one_line_and_exit_2_in_every_entry_form(entry: list[str]) -> None:
+    # the variable is read when safeview is imported, before the command runs
+    if entry == ["script"]:
+        command = [str(Path(sys.executable).parent / "safeview")]
+    else:
+        command = [sys.executable, *entry]
+    result = subprocess.run(
+        [*command, "check", CLEAN], capture_output=True, text=True, timeout=120,
+        env=_env(SAFEVIEW_LOG_FORMAT="bogus"),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert _one_error_line("\n".join(errors)) == _BAD_FORMAT
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "allowed"),
+    [("SAFEVIEW_BOUNDS_POLICY", "lax", "strict, warn, off"),
+     ("SAFEVIEW_LOG_FORMAT", "bogus", "json, console"),
+     ("SAFEVIEW_LOG_LEVEL", "loud", "debug, info, warning, error, critical")],
+)  # fmt: skip
+@pytest.mark.parametrize("args", [["check", CLEAN], ["check", "--json", CLEAN], ["schema"]])
+def test_a_bad_safeview_variable_exits_2_from_every_subcommand(
+    variable: str, value: str, allowed: str, args: list[str], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setenv(variable, value)
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert _one_error_line(captured.err) == (
+        f"safeview: {variable}={value!r} is not a valid value; allowed values: {allowed}"
+    )
+
+
+def test_the_policy_variable_exits_2_through_the_console_script() -> None:
+    script = Path(sys.executable).parent / "safeview"
+    result = subprocess.run(
+        [str(script), "check", CLEAN], capture_output=True, text=True, timeout=120,
+        env=_env(SAFEVIEW_BOUNDS_POLICY="lax"),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "SAFEVIEW_BOUNDS_POLICY='lax'" in _one_error_line(result.stderr)
+
+
+# -- the console entry point pauses the collector for its own process; main() never does --------
+
+
+def test_the_console_script_runs_command_which_pauses_the_collector() -> None:
+    tomllib: Any = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"safeview": "safeview.cli:command"}
+    code = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('collector on:', gc.isenabled(), file=sys.stderr))\n"
+        "from safeview.cli import command\n"
+        "sys.argv = ['safeview', 'schema']\n"
+        "command()"
+    )
+    result = _safeview(code=code)
+    assert result.returncode == 0
+    assert result.stderr == "collector on: False\n"
+
+
+def test_main_leaves_the_collector_of_its_caller_alone() -> None:
+    assert gc.isenabled()
+    assert main(["check", CLEAN, "-q"]) == 0
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        assert main(["check", CLEAN, "-q"]) == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+# -- a plan that cannot be checked: an error for it, the others still checked --------------------
+
+
+def _interleaved(path: Path, per_stride: int) -> str:
+    """A plan of ``2 * per_stride`` views of two block strides that do not divide one another,
+    interleaved over the same bytes and sharing none (even bytes and odd bytes): only the exact
+    pair test can tell, one pair at a time."""
+    views = [
+        {"name": f"{side}{i}", "storage": "kv", "num_blocks": 100, "page_bytes": 1,
+         "block_stride_bytes": 2 * per_stride + 2 * odd, "byte_offset": 2 * i + odd}
+        for odd, side in ((0, "even"), (1, "odd")) for i in range(per_stride)
+    ]  # fmt: skip
+    plan = {"storages": [{"name": "kv", "nbytes": 300 * per_stride}], "views": views}
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def test_a_plan_past_the_exact_test_limit_is_an_error_and_the_others_are_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the documented limit, lowered so that a small plan reaches it: 60 x 60 pairs to test
+    monkeypatch.setattr(overlap, "MAX_EXACT_TESTS", 1_000)
+    heavy = _interleaved(tmp_path / "heavy.json", 60)
+    assert main(["check", "--json", heavy, ALIASING, CLEAN]) == 2
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)
+    assert (document["exit_code"], document["status"]) == (2, ["error", "overlap"])
+    failed, aliasing, clean = document["plans"]
+    assert (failed["plan"], failed["status"], failed["ok"]) == (heavy, ["error"], False)
+    assert failed["error"].startswith(f"{heavy} could not be checked: views ")
+    assert "more than 1,000 tests, the limit" in failed["error"]
+    assert [detail["loc"] for detail in failed["details"]] == ["(plan)"]
+    assert "the limit" in failed["details"][0]["message"]
+    assert (aliasing["status"], clean["status"]) == (["overlap"], ["clean"])
+    assert _one_error_line(captured.err).startswith(f"safeview: {heavy} could not be checked")
+    # the same in text: an error line, and the other plans' sections and the tally
+    assert main(["check", heavy, ALIASING, CLEAN]) == 2
+    captured = capsys.readouterr()
+    assert _one_error_line(captured.err).startswith(f"safeview: {heavy} could not be checked")
+    verdicts = [line.split()[1] for line in captured.out.splitlines() if line[:3] in ("OK ", "FAI")]
+    assert verdicts == [ALIASING, CLEAN]
+    assert captured.out.splitlines()[-1] == "3 plans: 1 clean, 1 with violations, 1 unusable"
+
+
+def test_json_is_one_document_whatever_fails(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text("{not json")
+    result = _safeview(
+        "check", "--json", str(tmp_path / "bad.json"), str(tmp_path / "missing.json"),
+        str(tmp_path), CLEAN, "--max-violations", "1",
+    )  # fmt: skip
+    document = json.loads(result.stdout)  # one document, nothing else on standard output
+    assert result.returncode == 2 == document["exit_code"]
+    assert [plan["status"] for plan in document["plans"]] == [["error"]] * 3 + [["clean"]]
+    assert len(result.stderr.splitlines()) == 3
+
+
+# -- the picture: any valid plan, drawn in time proportional to what it draws --------------------
+
+
+def _plan_file(path: Path, storages: list[dict[str, Any]], views: list[dict[str, Any]]) -> str:
+    path.write_text(json.dumps({"storages": storages, "views": views}))
+    return str(path)
+
+
+def test_map_of_a_view_ending_past_2_64_is_drawn(tmp_path: Path) -> None:
+    top = 2**63 - 1
+    plan = _plan_file(tmp_path / "plan.json", [{"name": "kv", "nbytes": top}], [
+        {"name": "a", "storage": "kv", "num_blocks": top, "page_bytes": 8, "block_stride_bytes": 8}
+    ])  # fmt: skip
+    result = _safeview("check", plan, "--map", str(tmp_path / "map.png"), "--json")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == ""
+    document = json.loads(result.stdout)
+    assert document["map"] == {"path": str(tmp_path / "map.png"), "written": True}
+    [view] = document["plans"][0]["views"]
+    assert view["extent_bytes"] == top * 8 > 2**64
+    assert (tmp_path / "map.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_map_of_one_view_of_a_billion_times_too_many_blocks_takes_seconds(tmp_path: Path) -> None:
+    plan = _plan_file(tmp_path / "plan.json", [{"name": "kv", "nbytes": 42_072 * 3_098_112}], [
+        {"name": "model.layers.0.self_attn", "storage": "kv", "num_blocks": 42_072 * 10**9,
+         "page_bytes": 36_864, "block_stride_bytes": 3_098_112}
+    ])  # fmt: skip
+    started = time.perf_counter()
+    result = _safeview("check", plan, "--map", str(tmp_path / "map.png"))
+    assert result.returncode == 1, result.stderr
+    assert time.perf_counter() - started < 60  # a block at a time: years
+    assert (
+        "1 view past the end of its storage by 130,343,767,933,653,170,688 bytes" in result.stdout
+    )
+
+
+def test_json_says_when_the_map_could_not_be_drawn(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text("{not json")
+    result = _safeview("check", str(tmp_path / "bad.json"), "--json", "--map",
+                       str(tmp_path / "map.png"))  # fmt: skip
+    document = json.loads(result.stdout)
+    assert document["map"] == {
+        "path": str(tmp_path / "map.png"),
+        "written": False,
+        "error": "the plan could not be checked",
+    }
+    assert not (tmp_path / "map.png").exists()
+
+
+# -- file names, folders ---------------------------------------------------------------------------
+
+
+def test_a_file_name_with_a_newline_gives_one_line_everywhere(tmp_path: Path) -> None:
+    odd = tmp_path / "a\nb.json"
+    shutil.copy(CLEAN, odd)
+    missing = tmp_path / "c\rd.json"
+    result = _safeview("check", str(odd), str(missing))
+    assert result.returncode == 2
+    assert _one_error_line(result.stderr) == (
+        f"safeview: cannot read {tmp_path}/c\\rd.json: No such file or directory"
+    )
+    assert result.stdout.splitlines()[0].startswith(f"OK {tmp_path}/a\\nb.json (vLLM unit-test")
+    result = _safeview("check", "--json", str(odd))
+    assert json.loads(result.stdout)["plans"][0]["plan"] == str(odd)  # JSON keeps the real name
+
+
+def test_a_folder_checks_every_json_file_in_it_in_name_order(tmp_path: Path) -> None:
+    for name, source in (("b.json", ALIASING), ("a.json", CLEAN), ("c.json.txt", ALIASING),
+                         ("B.json", CLEAN)):  # fmt: skip
+        shutil.copy(source, tmp_path / name)
+    (tmp_path / "d.json").mkdir()  # a folder, whatever its name: not a plan
+    result = _safeview("check", str(tmp_path), "--json")
+    assert result.returncode == 1, result.stderr
+    names = [Path(plan["plan"]).name for plan in json.loads(result.stdout)["plans"]]
+    assert names == ["B.json", "a.json", "b.json"]
+
+
+def test_the_examples_folder_is_checked_plan_by_plan() -> None:
+    result = _safeview("check", str(PLANS))
+    assert result.returncode == 1
+    verdicts = [
+        line.split()[:2] for line in result.stdout.splitlines() if line[:3] in ("OK ", "FAI")
+    ]
+    assert [Path(name).name for _, name in verdicts] == sorted(p.name for p in PLANS.glob("*.json"))
+    assert result.stdout.splitlines()[-1] == "7 plans: 4 clean, 3 with violations"
+
+
+def test_a_folder_without_plans_is_an_error(tmp_path: Path) -> None:
+    result = _safeview("check", str(tmp_path), CLEAN)
+    assert result.returncode == 2
+    assert _one_error_line(result.stderr) == f"safeview: folder {tmp_path} holds no *.json file"
+    assert result.stdout.startswith(f"OK {CLEAN}")
+
+
+def test_map_counts_the_plans_of_a_folder(tmp_path: Path) -> None:
+    shutil.copy(CLEAN, tmp_path / "only.json")
+    assert main(["check", str(tmp_path), "--map", str(tmp_path / "m.png"), "-q"]) == 0
+    assert (tmp_path / "m.png").exists()
+    shutil.copy(CLEAN, tmp_path / "other.json")
+    result = _safeview("check", str(tmp_path), "--map", str(tmp_path / "m.png"))
+    assert result.returncode == 2
+    assert "--map draws one plan; 2 were given" in _one_error_line(result.stderr)
+
+
+# -- the JSON document, version 2; words and numbers -----------------------------------------------
+
+
+def test_json_view_status_is_a_list_of_kinds(tmp_path: Path) -> None:
+    plan = json.loads(Path(CLEAN).read_text())
+    plan["views"][1]["num_blocks"] = 11  # past its region, and onto layer 2
+    plan["views"][1]["group"] = plan["views"][2]["group"] = 0
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = _safeview("check", "--json", str(tmp_path / "plan.json"))
+    document = json.loads(result.stdout)
+    assert document["schema_version"] == 2
+    [report] = document["plans"]
+    assert [view["status"] for view in report["views"]] == [
+        ["ok"], ["out_of_region", "overlap"], ["overlap"]
+    ]  # fmt: skip
+    assert report["status"] == document["status"] == ["out_of_region", "overlap"]
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [({"num_blocks": 11}, "  out_of_region  1 view outside its region by 16,384 bytes: 'layers.0'"),
+     ({"byte_offset": 327_681, "region": [327_681, 491_521]},
+      "  out_of_bounds  1 view past the end of its storage by 1 byte: 'layers.0'")],
+)  # fmt: skip
+def test_one_of_a_thing_is_said_in_the_singular(
+    change: dict[str, Any], line: str, tmp_path: Path
+) -> None:
+    plan = json.loads(Path(CLEAN).read_text())
+    plan["views"][0].update(change)
+    plan["views"] = plan["views"][:1]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = _safeview("check", str(tmp_path / "plan.json"))
+    lines = result.stdout.splitlines()
+    assert lines[1:] == [line, f"1 violation (1 {line.split()[0]}) in 1 view over 1 storage."]
+
+
+def test_an_unknown_key_is_reported_first_with_the_key_meant(tmp_path: Path) -> None:
+    plan = json.loads(Path(CLEAN).read_text())
+    plan["views"][0]["block_stride"] = plan["views"][0].pop("block_stride_bytes")
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = _safeview("check", str(tmp_path / "plan.json"), "--json")
+    assert _one_error_line(result.stderr) == (
+        f"safeview: {tmp_path / 'plan.json'} is not a valid plan: views.0.block_stride: unknown "
+        "key 'block_stride'; did you mean 'block_stride_bytes'? (got 16384); 1 more at "
+        "views.0.block_stride_bytes"
+    )
+    details = json.loads(result.stdout)["plans"][0]["details"]
+    assert [detail["loc"] for detail in details] == [
+        "views.0.block_stride", "views.0.block_stride_bytes"
+    ]  # fmt: skip
+
+
+def test_a_plan_with_a_schema_key_is_checked(tmp_path: Path) -> None:
+    plan = json.loads(Path(CLEAN).read_text())
+    assert plan["$schema"] == PLAN_SCHEMA  # the shipped plans name it
+    plan["$schema"] = "./plan.schema.json"  # any other pointer an editor may want
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert _safeview("check", "-q", str(tmp_path / "plan.json")).returncode == 0
+
+
+def test_the_schema_printed_is_the_one_plans_name() -> None:
+    schema = json.loads(_safeview("schema").stdout)
+    assert schema["$id"] == PLAN_SCHEMA == json.loads(Path(ALIASING).read_text())["$schema"]

@@ -38,8 +38,9 @@ def test_bounds_error_carries_the_finding_and_its_numbers() -> None:
     assert error.overflow_bytes == 3_098_112
     assert error.limit_bytes == 130_343_768_064
     assert str(error) == (
-        "view 'model.layers.78.self_attn' needs bytes [3061248, 130346866176) but the storage "
-        "has 130343768064 bytes (3098112 bytes past the end) [device meta, policy strict]"
+        "view 'model.layers.78.self_attn' needs bytes [3,061,248, 130,346,866,176) but the "
+        "storage has 130,343,768,064 bytes (3,098,112 bytes past the end) [device meta, policy "
+        "strict]"
     )
 
 

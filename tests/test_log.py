@@ -1,4 +1,5 @@
-"""Structured events: their keys (the README's table), JSON lines, and no global configuration."""
+"""Structured events: their keys (the table in docs/events.md), JSON lines, and no global
+configuration."""
 
 from __future__ import annotations
 

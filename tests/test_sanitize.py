@@ -150,7 +150,7 @@ def test_as_strided_past_the_end_on_meta_is_refused_where_torch_checks_nothing()
 
 def test_an_empty_view_far_past_the_end_is_refused_as_in_make_view() -> None:
     meta = torch.empty(16, dtype=torch.int8, device="meta")
-    message = "the empty view starts at byte 1000000000000"
+    message = "the empty view starts at byte 1,000,000,000,000"
     with pytest.raises(BoundsError, match=message), sanitize():
         torch.as_strided(meta, (0, 16), (16, 1), 10**12)
 

@@ -111,7 +111,7 @@ def test_a_kernel_block_stride_where_a_manager_block_is_expected_is_a_self_overl
     with pytest.raises(OverlapError) as caught:
         check_registration(built.kv_caches, built.worker_kv_cache_config)
     assert {finding.kind for finding in caught.value.findings} == {"self_overlap"}
-    assert "block_stride_bytes=8192 smaller than page_bytes=16384" in str(caught.value)
+    assert "block_stride_bytes=8,192 smaller than page_bytes=16,384" in str(caught.value)
     assert harness.run_real_worker(built).error is None  # vLLM takes it, as "packed"
 
 
