@@ -278,7 +278,9 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
         except Exception as error:  # safeview's own failure, or a vLLM it does not know
             _step_aside(f"{type(error).__name__}: {error}")
             return original(kv_caches, *args, **kwargs)
-        with guard:
+        # the transfer engine's agent first, so that the sanitizer does not see safeview's own
+        # guarding of it
+        with _guard_nixl_agents(connector, kv_caches, config, active), guard:
             return original(kv_caches, *args, **kwargs)
 
     setattr(register_kv_caches, _PATCHED, True)
@@ -355,3 +357,164 @@ def register_plugin() -> None:
         reason=f"KVConnectorFactory.create_connector guarded; policy {current_policy().value}",
         version=_vllm_version(),
     )
+
+
+# -- the NIXL connector's agent ----------------------------------------------------------------
+#
+# vLLM 0.33's NIXL connector worker (``kv_connector/v1/nixl/base_worker.py``) registers each
+# storage of the KV cache with its NIXL agent (``worker.nixl_wrapper``) and prepares its local
+# descriptor lists once, in ``register_kv_caches``: ``prep_xfer_dlist("NIXL_INIT_AGENT", rows)``
+# with rows ``(address, length, device, stride, count)`` per region (one per layer; one per storage
+# for packed MLA); per request it moves blocks by index. While its ``register_kv_caches`` runs, the
+# agent is replaced by ``safeview.nixl.guard(agent, allocation)``, so every one of those rows is
+# checked once, before NIXL sees it, against the caches as vLLM allocated them. Lists prepared
+# later (at a handshake: slices of pages for a peer of another tensor-parallel size, pieces of
+# pages for a peer with smaller blocks) are checked with sub-page slices allowed.
+
+_NIXL_WORKER_ATTRIBUTE = "nixl_wrapper"  # where vLLM 0.33's NIXL worker keeps its agent
+
+
+def _nixl_workers(connector: Any) -> list[Any]:
+    """The NIXL workers of ``connector`` (or of the connectors a ``MultiConnector`` drives)."""
+    parts = [connector, *getattr(connector, "_connectors", ())]
+    workers = [getattr(part, "connector_worker", None) for part in parts]
+    return [worker for worker in workers if hasattr(worker, _NIXL_WORKER_ATTRIBUTE)]
+
+
+def _layer_page_bytes(config: Any, layer: str) -> int | None:
+    """``page_size_bytes`` of ``layer``'s spec in ``config`` (unwrapping uniform-type groups)."""
+    for group in getattr(config, "kv_cache_groups", ()):
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            spec = getattr(spec, "kv_cache_specs", {}).get(layer, spec)
+            return int(spec.page_size_bytes)
+    return None
+
+
+def _nixl_allocation(kv_caches: Mapping[str, Any], kv_cache_config: Any) -> Any:
+    """The allocation a NIXL worker registers, as a ``safeview.transfer.MemoryMap``: each storage
+    at its address, and each layer's cache as the worker counts its blocks, along the tensor's
+    first axis (kernel blocks where the attention kernel splits vLLM's blocks): a page is the
+    span of one block of the tensor, the block stride its ``stride(0)``. A flat byte cache (a
+    layer without views of its own) is cut in pages of its spec. Layers of a ``kv_cache_config``
+    group only, when one is given (the worker registers no other)."""
+    from safeview import _arith
+    from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
+
+    layers = set(_groups_of(kv_cache_config)) if kv_cache_config is not None else None
+    storages: dict[int, StorageSpan] = {}
+    views: list[ViewSpan] = []
+    for layer, cache in kv_caches.items():
+        if layers is not None and layer not in layers:
+            continue
+        if not _torch.is_strided_tensor(cache) or not cache.dim():
+            raise ArgumentError(
+                f"kv_caches[{layer!r}] must be the layer's cache tensor, as vLLM allocates it; "
+                f"got {type(cache).__name__}"
+            )
+        facts = _torch.storage_facts(_torch.storage_of(cache))
+        if not facts.base:
+            continue  # no address (meta): no descriptor can hit it
+        span = storages.get(facts.key)
+        if span is None:
+            span = storages[facts.key] = StorageSpan(
+                f"storage{len(storages)}", facts.base, facts.nbytes, facts.device
+            )
+        byte_offset, shape, strides, itemsize = _torch.geometry(cache)
+        if len(shape) > 1:
+            page = _arith.extent_bytes(0, shape[1:], strides[1:], itemsize)
+            block_stride, blocks = strides[0] * itemsize, shape[0]
+        else:
+            spec_page = _layer_page_bytes(kv_cache_config, layer)
+            if not spec_page:
+                raise ArgumentError(f"layer {layer!r}: a flat cache and no page size in its spec")
+            page = block_stride = spec_page
+            blocks = shape[0] * itemsize // spec_page
+        views.append(ViewSpan(layer, span.name, byte_offset, page, block_stride, blocks, layer))
+    return MemoryMap(tuple(storages.values()), tuple(views))
+
+
+_nixl_stepped_aside: list[str] = []
+
+
+def _nixl_step_aside(reason: str) -> None:
+    """Say once per process why a NIXL agent is left unguarded."""
+    if not _nixl_stepped_aside:
+        _nixl_stepped_aside.append(reason)
+        log.integration(
+            "integration_unavailable",
+            integration="vllm",
+            reason=f"NIXL agent left unguarded: {reason}",
+            version=_vllm_version(),
+        )
+
+
+class _NixlAgentsGuarded:
+    """``with _guard_nixl_agents(...)``: see ``_guard_nixl_agents``."""
+
+    def __init__(
+        self, connector: Any, kv_caches: Mapping[str, Any], kv_cache_config: Any, policy: Policy
+    ) -> None:
+        self.connector = connector
+        self.kv_caches = kv_caches
+        self.kv_cache_config = kv_cache_config
+        self.policy = policy
+        self.guarded: list[tuple[Any, Any, Any]] = []  # (worker, agent, allocation)
+
+    def __enter__(self) -> None:
+        try:
+            workers = _nixl_workers(self.connector)
+            if not workers:
+                return
+            from safeview.nixl import guard
+
+            allocation = _nixl_allocation(self.kv_caches, self.kv_cache_config)
+            for worker in workers:
+                if getattr(worker, "use_host_buffer", False):
+                    # it registers host buffers it makes inside register_kv_caches, not these
+                    _nixl_step_aside("the worker stages transfers through host buffers")
+                    continue
+                agent = getattr(worker, _NIXL_WORKER_ATTRIBUTE)
+                # Mamba layers transfer conv and SSM state as slices of a page
+                whole_pages = not getattr(worker, "_has_mamba", False)
+                checked = guard(agent, allocation, policy=self.policy, whole_pages=whole_pages)
+                setattr(worker, _NIXL_WORKER_ATTRIBUTE, checked)
+                self.guarded.append((worker, agent, allocation))
+        except Exception as error:  # safeview's own failure, or a vLLM or NIXL it does not know
+            self._restore()
+            _nixl_step_aside(f"{type(error).__name__}: {error}")
+
+    def __exit__(self, *exc_info: object) -> None:
+        # From now on the worker prepares lists only at handshakes, whose rows may be slices of
+        # pages (a peer of another tensor-parallel size): those are allowed from here.
+        try:
+            from safeview.nixl import guard
+
+            for worker, agent, allocation in self.guarded:
+                checked = guard(agent, allocation, policy=self.policy, whole_pages=False)
+                setattr(worker, _NIXL_WORKER_ATTRIBUTE, checked)
+        except Exception as error:
+            self._restore()
+            _nixl_step_aside(f"{type(error).__name__}: {error}")
+
+    def _restore(self) -> None:
+        for worker, agent, _ in self.guarded:
+            setattr(worker, _NIXL_WORKER_ATTRIBUTE, agent)
+        self.guarded.clear()
+
+
+def _guard_nixl_agents(
+    connector: Any, kv_caches: Mapping[str, Any], kv_cache_config: Any, policy: Policy
+) -> _NixlAgentsGuarded:
+    """Around a connector's own ``register_kv_caches``: for each NIXL worker of ``connector``
+    (vLLM 0.33's ``NixlConnector``, pull or push, alone or in a ``MultiConnector``), its agent is
+    replaced by ``safeview.nixl.guard(agent, allocation, policy=policy)``, so every local
+    descriptor list the worker prepares is checked against the caches vLLM allocated: whole
+    pages only while it registers, slices of pages allowed afterwards. Never raises for
+    safeview's own sake: a failure, or a worker or NIXL it does not know, leaves the agent as it
+    was with one ``integration_unavailable`` event. Use::
+
+        with _guard_nixl_agents(connector, kv_caches, kv_cache_config, policy):
+            connector_register_kv_caches(kv_caches)
+    """
+    return _NixlAgentsGuarded(connector, kv_caches, kv_cache_config, policy)

@@ -1,0 +1,255 @@
+"""safeview's guard around vLLM 0.33's real NIXL connector: two workers on CPU, vLLM's own
+handshake and READ, the bytes compared (tests/vllm_nixl_harness.py drives them).
+
+Each group of scenarios runs in one child process (vLLM's start-up and UCX's cost seconds; UCX may
+crash an interpreter at exit). These run where vLLM and NIXL are installed (``.ci/run`` makes a
+virtual environment for them); elsewhere they skip, saying so. With ``SAFEVIEW_REQUIRE_VLLM=1`` a
+missing vLLM or NIXL is a failure instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import pytest
+
+if os.environ.get("SAFEVIEW_REQUIRE_VLLM") == "1":
+    import nixl  # type: ignore[import-untyped,unused-ignore]  # noqa: F401  (CI: must import)
+    import vllm  # noqa: F401
+elif importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+    pytest.skip(
+        "vLLM and NIXL are not both installed here; .ci/run tests against them",
+        allow_module_level=True,
+    )
+
+import vllm_nixl_harness as harness  # type: ignore[import-not-found,unused-ignore]
+
+HEALTHY = tuple(harness.CASES)
+LAYER_0, LAYER_1, LAYER_2 = (harness.layer_name(i) for i in range(3))
+
+#: the local rows vLLM 0.33's worker hands NIXL (``prep_xfer_dlist("NIXL_INIT_AGENT", ...)``),
+#: relative to the storage's address: ``(offset, length, device, stride, count)``. Layers of an
+#: ``LB*`` layout sit one after another (layer 1 of ``attention_two_pages``, of 8 heads, last);
+#: ``BLHNC`` rows step over the other layers' pages; the packed MLA row is one whole block of
+#: three pages, 3 x 18,432 bytes.
+EXPECTED_ROWS = {
+    "attention_lbhnc": [[0, 32768, 0, 32768, 10], [327680, 32768, 0, 32768, 10],
+                        [655360, 32768, 0, 32768, 10]],
+    "attention_lbnhc": [[0, 32768, 0, 32768, 10], [327680, 32768, 0, 32768, 10],
+                        [655360, 32768, 0, 32768, 10]],
+    "attention_blhnc": [[0, 32768, 0, 98304, 10], [32768, 32768, 0, 98304, 10],
+                        [65536, 32768, 0, 98304, 10]],
+    "attention_two_pages": [[0, 32768, 0, 32768, 10], [655360, 65536, 0, 65536, 10],
+                            [327680, 32768, 0, 32768, 10]],
+    "mla_lbnhc": [[0, 18432, 0, 18432, 10], [184320, 18432, 0, 18432, 10],
+                  [368640, 18432, 0, 18432, 10]],
+    "mla_blhnc": [[0, 55296, 0, 55296, 10]],
+}  # fmt: skip
+#: layer 1's row with layer 0's block length: half of each of its 65,536-byte pages
+SHARED_ROW = [655360, 32768, 0, 65536, 10]
+
+
+def _by_scenario(run: Any) -> dict[tuple[str, str | None, str | None], dict[str, Any]]:
+    return {
+        (r["scenario"]["case"], r["scenario"]["fault"], r["scenario"]["policy"]): r
+        for r in run.results
+    }
+
+
+@pytest.fixture(scope="module")
+def unguarded() -> Any:
+    """vLLM alone (``SAFEVIEW_VLLM=0``): the shared block length, and a clean layout."""
+    return harness.run(
+        [
+            harness.Scenario("attention_two_pages", fault="shared_block_len"),
+            harness.Scenario("attention_two_pages"),
+        ],
+        env={"SAFEVIEW_VLLM": "0"},
+    )
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Any:
+    """The plugin on, as vLLM loads it: every healthy layout under strict, then the shared block
+    length under strict and under warn."""
+    return harness.run(
+        [harness.Scenario(case, policy="strict") for case in HEALTHY]
+        + [
+            harness.Scenario("attention_two_pages", fault="shared_block_len", policy="strict"),
+            harness.Scenario("attention_two_pages", fault="shared_block_len", policy="warn"),
+        ]
+    )
+
+
+def _whole_pages_arrived(result: dict[str, Any]) -> None:
+    assert result["error"] is None, result["error"]
+    assert result["transfer"]["done"]
+    assert not result["transfer"]["failed"]
+    for layer, numbers in result["layers"].items():
+        assert numbers["delivered_bytes"] == [numbers["page_bytes"]] * 3, layer
+    assert result["untouched_elsewhere"]
+
+
+# -- vLLM alone --------------------------------------------------------------------------------
+
+
+def test_without_safeview_nixl_takes_a_shared_block_length_and_delivers_half_of_each_page(
+    unguarded: Any,
+) -> None:
+    result = _by_scenario(unguarded)[("attention_two_pages", "shared_block_len", None)]
+    assert result["error"] is None
+    # NIXL accepted the rows on both sides: they lie inside the registered memory
+    assert SHARED_ROW in result["sides"]["P"]["local_rows"]
+    assert SHARED_ROW in result["sides"]["D"]["local_rows"]
+    # the READ reports success ...
+    assert result["transfer"]["done"]
+    assert not result["transfer"]["failed"]
+    # ... and half of each page of layer 1 arrived; nothing says so
+    layers = result["layers"]
+    assert layers[LAYER_1] == {"page_bytes": 65536, "delivered_bytes": [32768] * 3}
+    assert layers[LAYER_0]["delivered_bytes"] == [32768] * 3
+    assert layers[LAYER_2]["delivered_bytes"] == [32768] * 3
+    assert result["events"] == []
+
+
+def test_safeview_vllm_0_leaves_the_nixl_agent_alone(unguarded: Any) -> None:
+    for result in unguarded.results:
+        for side in result["sides"].values():
+            assert not side["guarded"]
+            assert side["agent_type"] == "nixl_agent"
+        assert result["events"] == []
+    assert "event=" not in unguarded.output  # not one safeview line in the server log
+    _whole_pages_arrived(_by_scenario(unguarded)[("attention_two_pages", None, None)])
+
+
+# -- with safeview -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", HEALTHY)
+def test_every_healthy_layout_registers_and_transfers_unchanged_under_strict(
+    guarded: Any, case: str
+) -> None:
+    result = _by_scenario(guarded)[(case, None, "strict")]
+    _whole_pages_arrived(result)
+    for side in ("P", "D"):
+        assert result["sides"][side]["guarded"], side  # the plugin guarded the agent
+        assert result["sides"][side]["same_agent"], side  # the very object vLLM made
+        assert result["sides"][side]["local_rows"] == EXPECTED_ROWS[case], side
+    assert [e for e in result["events"] if e["event"] == "address_violation"] == []
+
+
+def test_the_guarded_transfer_moves_what_vllm_alone_moves(guarded: Any, unguarded: Any) -> None:
+    alone = _by_scenario(unguarded)[("attention_two_pages", None, None)]
+    checked = _by_scenario(guarded)[("attention_two_pages", None, "strict")]
+    assert checked["layers"] == alone["layers"]
+    assert checked["sides"]["P"]["local_rows"] == alone["sides"]["P"]["local_rows"]
+
+
+def test_a_shared_block_length_is_refused_under_strict_before_any_transfer(guarded: Any) -> None:
+    result = _by_scenario(guarded)[("attention_two_pages", "shared_block_len", "strict")]
+    error = result["error"]
+    assert error is not None
+    assert (error["stage"], error["type"]) == ("P.register_kv_caches", "AddressError")
+    assert error["attributes"]["kind"] == "partial_page"
+    assert error["attributes"]["length"] == 32768
+    assert LAYER_1 in error["message"]
+    assert "32768 of the 65536 bytes" in error["message"]
+    # NIXL never saw the list, and no READ was tried: D is as it was allocated
+    assert result["sides"]["P"]["local_rows"] == []
+    assert result["transfer"] is None
+    assert result["d_untouched"]
+    [event] = [e for e in result["events"] if e["event"] == "address_violation"]
+    assert event["level"] == "error"
+    assert (event["kind"], event["layers"]) == ("partial_page", [LAYER_1])
+
+
+def test_under_warn_a_shared_block_length_is_logged_once_per_worker_and_moves_as_without(
+    guarded: Any, unguarded: Any
+) -> None:
+    result = _by_scenario(guarded)[("attention_two_pages", "shared_block_len", "warn")]
+    alone = _by_scenario(unguarded)[("attention_two_pages", "shared_block_len", None)]
+    assert result["error"] is None
+    assert result["transfer"]["done"]
+    assert result["layers"] == alone["layers"]  # half of each page of layer 1, as without safeview
+    assert result["sides"]["P"]["local_rows"] == alone["sides"]["P"]["local_rows"]
+    # checked once, when each worker prepared its list; not again for the READ
+    events = [e for e in result["events"] if e["event"] == "address_violation"]
+    assert len(events) == 2
+    for event in events:
+        assert event["level"] == "warning"
+        assert (event["kind"], event["layers"]) == ("partial_page", [LAYER_1])
+        assert (event["length_bytes"], event["stride_bytes"], event["count"]) == (32768, 65536, 10)
+    # in the server log, through vLLM's own handler
+    lines = [line for line in guarded.output.splitlines() if 'event="address_violation"' in line]
+    assert any(" WARNING " in line and LAYER_1 in line for line in lines)
+    assert any(" ERROR " in line and LAYER_1 in line for line in lines)  # the strict scenario
+
+
+# -- what the plugin cannot guard, it leaves alone ---------------------------------------------
+
+
+class _Worker:
+    """A worker that keeps a NIXL agent where vLLM 0.33's does (``nixl_wrapper``)."""
+
+    def __init__(self, agent: object, *, use_host_buffer: bool = False) -> None:
+        self.nixl_wrapper = agent
+        self.use_host_buffer = use_host_buffer
+
+
+class _Connector:
+    def __init__(self, worker: _Worker) -> None:
+        self.connector_worker = worker
+
+
+class _OtherAgent:
+    """An agent of a NIXL whose API this guard does not know: it has no ``prep_xfer_dlist``."""
+
+    name = "other"
+
+
+@pytest.fixture
+def stepped_aside() -> Any:
+    """The once-per-process notes forgotten, so each test sees its own."""
+    import safeview.nixl
+    import safeview.vllm
+
+    safeview.vllm._nixl_stepped_aside.clear()
+    safeview.nixl._reported.clear()
+    yield
+    safeview.vllm._nixl_stepped_aside.clear()
+    safeview.nixl._reported.clear()
+
+
+@pytest.mark.usefixtures("stepped_aside")
+@pytest.mark.parametrize(
+    ("worker", "kv_caches", "reason"),
+    [
+        (_Worker(_OtherAgent()), None, "has no method prep_xfer_dlist"),
+        (_Worker(_OtherAgent(), use_host_buffer=True), None, "host buffers"),
+        (_Worker(_OtherAgent()), {"layer": "not a tensor"}, "ArgumentError"),
+    ],
+    ids=["unknown_agent", "host_buffers", "own_failure"],
+)
+def test_an_agent_it_cannot_guard_is_left_alone_with_one_warning(
+    worker: _Worker, kv_caches: Any, reason: str
+) -> None:
+    import torch
+
+    from safeview.policy import Policy
+    from safeview.testing import capture_events
+    from safeview.vllm import _guard_nixl_agents
+
+    agent = worker.nixl_wrapper
+    caches = kv_caches or {"layer": torch.zeros(4, 2, 8)}
+    with (
+        capture_events() as events,
+        _guard_nixl_agents(_Connector(worker), caches, None, Policy.STRICT),
+    ):
+        pass  # the connector's own register_kv_caches runs here, unchecked
+    assert worker.nixl_wrapper is agent
+    assert "prep_xfer_dlist" not in vars(agent)
+    [event] = events
+    assert (event["event"], event["level"]) == ("integration_unavailable", "warning")
+    assert reason in event["reason"]
