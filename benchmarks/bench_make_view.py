@@ -1,15 +1,22 @@
-"""Per-call cost of ``make_view`` against the unchecked calls vLLM runs today.
+"""Per-call cost of ``make_view`` against the unchecked calls a user would write instead.
 
-Baseline (what vLLM's offloading worker runs per layer, unchecked)::
+The unchecked two-step (vLLM PR #48530's form, what a connector runs per layer)::
 
     raw = torch.empty(0, dtype=torch.int8).set_(storage)
     torch.as_strided(raw, (num_blocks, page_bytes), (block_stride_bytes, 1), byte_offset)
 
-Every variant runs in the same process, interleaved round by round, and each is reported as the
-median over rounds of (its per-call time / the baseline's per-call time in that round), so machine
-noise that hits a whole round cancels out. Absolute times are printed for orientation only.
+Each row is measured against the call it replaces: ``make_view`` given a tensor or a storage
+against the two-step from that tensor's storage (``.untyped_storage()`` included when the user
+holds a tensor); a layout built inside the loop against the same loop with the layout built
+before it, with the values a loop rebuilds (the same every call) and with new values every call
+(a per-layer loop: each layer's offset is new). All rows run in one process, interleaved round
+by round (odd rounds in reverse order), and each figure is the median over rounds of (its time
+per call / its baseline's time per call in that round), so noise that hits a whole round
+cancels. The spread is the interquartile range of those per-round ratios; the two medians after
+it are of the first and second half of the rounds: their gap is about what a repeated run moves
+the figure by. Absolute times are for orientation only.
 
-Run: python benchmarks/bench_make_view.py [--rounds 60] [--calls 2000]
+Run: python benchmarks/bench_make_view.py [--rounds 101] [--calls 1000]
 """
 
 from __future__ import annotations
@@ -18,114 +25,177 @@ import argparse
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
 import safeview
 from safeview import BlockLayout, make_view
 
-TARGETS = {
-    "strict": 1.25,
-    "off": 1.05,
-    "strict, BlockLayout built per call": 1.6,
-    "strict, UntypedStorage target": 1.1,
-    "off, UntypedStorage target": 1.02,
-}
+NUM_BLOCKS, PAGE, STRIDE, OFFSET = 1_000, 512, 2_048, 1_024
+SHAPE, STRIDES = (NUM_BLOCKS, PAGE), (STRIDE, 1)
 
 
-def variants() -> dict[str, Callable[[], object]]:
-    num_blocks, page, stride, offset = 1_000, 512, 2_048, 1_024
-    kv = torch.zeros(num_blocks * stride, dtype=torch.int8)
+class Row(NamedTuple):
+    fn: Callable[[], object]
+    baseline: str | None  # the row it is divided by; None: a baseline
+    target: float | None
+
+
+def rows(calls: int, rounds: int) -> dict[str, Row]:
+    # room for a new offset on every call of every round and of the warm-up
+    fresh = 2 * ((2 * rounds * calls + 1_000) // 2)  # two rows take new values
+    fresh_offsets = iter(range(OFFSET, OFFSET + fresh))
+    kv = torch.zeros(NUM_BLOCKS * STRIDE + fresh, dtype=torch.int8)
+    kv16 = kv.view(torch.float16)
     storage = kv.untyped_storage()
     layout = BlockLayout(
-        num_blocks=num_blocks, page_bytes=page, block_stride_bytes=stride, byte_offset=offset
+        num_blocks=NUM_BLOCKS, page_bytes=PAGE, block_stride_bytes=STRIDE, byte_offset=OFFSET
     )
-    shape, strides = (num_blocks, page), (stride, 1)
-    device = storage.device
+    int8 = torch.int8
 
-    def baseline() -> object:
-        raw = torch.empty(0, dtype=torch.int8).set_(storage)
-        return torch.as_strided(raw, shape, strides, offset)
+    def two_step_storage() -> object:
+        raw = torch.empty(0, dtype=int8).set_(storage)
+        return torch.as_strided(raw, SHAPE, STRIDES, OFFSET)
 
-    def built_per_call() -> object:
-        spec = BlockLayout(
+    def two_step_tensor() -> object:  # what a holder of the fp16 cache writes
+        raw = torch.empty(0, dtype=int8).set_(kv16.untyped_storage())
+        return torch.as_strided(raw, SHAPE, STRIDES, OFFSET)
+
+    # a loop's own variables, as a per-layer loop has them
+    num_blocks, page, stride, offset = NUM_BLOCKS, PAGE, STRIDE, OFFSET
+
+    def repeated_values() -> object:
+        built = BlockLayout(
             num_blocks=num_blocks, page_bytes=page, block_stride_bytes=stride, byte_offset=offset
         )
-        return make_view(kv, spec, name="layer", policy="strict")
+        return make_view(kv, built, name="layer", policy="strict")
 
+    def new_values() -> object:
+        built = BlockLayout(
+            num_blocks=num_blocks,
+            page_bytes=page,
+            block_stride_bytes=stride,
+            byte_offset=next(fresh_offsets),
+        )
+        return make_view(kv, built, name="layer", policy="strict")
+
+    base, prebuilt = "two-step from the storage", "strict, int8 cache tensor"
     return {
-        "baseline (empty(0).set_(storage) + as_strided)": baseline,
-        "strict": lambda: make_view(kv, layout, name="layer", policy="strict"),
-        "warn": lambda: make_view(kv, layout, name="layer", policy="warn"),
-        "off": lambda: make_view(kv, layout, name="layer", policy="off"),
-        "strict, BlockLayout built per call": built_per_call,
-        "strict, UntypedStorage target": lambda: make_view(storage, layout, policy="strict"),
-        "off, UntypedStorage target": lambda: make_view(storage, layout, policy="off"),
-        "empty(0, device=...).set_(storage) + as_strided (for scale)": lambda: torch.as_strided(
-            torch.empty(0, dtype=torch.int8, device=device).set_(storage), shape, strides, offset
+        base: Row(two_step_storage, None, None),
+        "two-step from the fp16 tensor": Row(two_step_tensor, None, None),
+        prebuilt: Row(lambda: make_view(kv, layout, name="layer", policy="strict"), base, 1.25),
+        "warn, int8 cache tensor": Row(
+            lambda: make_view(kv, layout, name="layer", policy="warn"), base, None
         ),
-        "four-argument set_, were it checked first (for scale)": lambda: torch.empty(
-            0, dtype=torch.int8
-        ).set_(storage, offset, shape, strides),
-        "strict, policy from scope and env": lambda: make_view(kv, layout, name="layer"),
-        "bare torch.as_strided(kv, ...) (for scale)": lambda: torch.as_strided(
-            kv, shape, strides, offset
+        "off, int8 cache tensor": Row(
+            lambda: make_view(kv, layout, name="layer", policy="off"), base, 1.05
+        ),
+        "strict, policy from scope and environment": Row(
+            lambda: make_view(kv, layout, name="layer"), base, None
+        ),
+        "strict, fp16 cache tensor": Row(
+            lambda: make_view(kv16, layout, name="layer", policy="strict"),
+            "two-step from the fp16 tensor",
+            1.1,
+        ),
+        "strict, UntypedStorage": Row(
+            lambda: make_view(storage, layout, name="layer", policy="strict"), base, 1.1
+        ),
+        "off, UntypedStorage": Row(
+            lambda: make_view(storage, layout, name="layer", policy="off"), base, 1.02
+        ),
+        "strict, layout built per call, same values": Row(repeated_values, prebuilt, 1.2),
+        "strict, layout built per call, new values": Row(new_values, prebuilt, 2.0),
+        "same, new values, against the two-step": Row(new_values, base, None),
+        "bare torch.as_strided(int8 cache) (for scale)": Row(
+            lambda: torch.as_strided(kv, SHAPE, STRIDES, OFFSET), base, None
+        ),
+        "empty(0).set_(storage, offset, ...) (for scale)": Row(
+            lambda: torch.empty(0, dtype=int8, device=storage.device).set_(
+                storage, OFFSET, SHAPE, STRIDES
+            ),
+            base,
+            None,
         ),
     }
 
 
-def measure(rounds: int, calls: int) -> dict[str, tuple[float, float]]:
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    low, _, high = statistics.quantiles(values, n=4)
+    return low, high
+
+
+def measure(rounds: int, calls: int) -> Iterator[tuple[str, float, float, tuple[float, ...]]]:
+    """Per row: its median time per call (us), then its figure and spread against its baseline
+    (or 1.0 and its time spread, for a baseline)."""
     logging.getLogger("safeview").setLevel(logging.WARNING)  # view_created filtered out
-    runs = variants()
-    per_call: dict[str, list[float]] = {name: [] for name in runs}
-    for fn in runs.values():
+    table = rows(calls, rounds)
+    per_call: dict[str, list[float]] = {name: [] for name in table}
+    for row in table.values():
         for _ in range(200):
-            fn()
+            row.fn()
     for round_index in range(rounds):
-        order = list(runs.items())
+        order = list(table.items())
         if round_index % 2:
             order.reverse()
-        for name, fn in order:
+        for name, row in order:
+            fn = row.fn
             start = time.perf_counter_ns()
             for _ in range(calls):
                 fn()
             per_call[name].append((time.perf_counter_ns() - start) / calls / 1_000)
-    baseline = per_call[next(iter(runs))]
-    return {
-        name: (
-            statistics.median(times),
-            statistics.median(t / b for t, b in zip(times, baseline)),
+    for name, row in table.items():
+        micros = statistics.median(per_call[name])
+        if row.baseline is None:
+            yield name, micros, 1.0, ()
+            continue
+        ratios = [t / b for t, b in zip(per_call[name], per_call[row.baseline])]
+        half = len(ratios) // 2
+        yield (
+            name,
+            micros,
+            statistics.median(ratios),
+            (
+                *_quartiles(ratios),
+                statistics.median(ratios[:half]),
+                statistics.median(ratios[half:]),
+            ),
         )
-        for name, times in per_call.items()
-    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--calls", type=int, default=2_000)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=101)
+    parser.add_argument("--calls", type=int, default=1_000)
     args = parser.parse_args()
-    results = measure(args.rounds, args.calls)
+    table = rows(1, 1)
     print(
-        f"torch {torch.__version__}, safeview {safeview.__version__}, "
-        f"{args.rounds} rounds x {args.calls} calls, median per call"
+        f"torch {torch.__version__}, safeview {safeview.__version__}, {args.rounds} rounds x "
+        f"{args.calls} calls; figure = median of per-round ratios to the baseline"
     )
-    print(f"{'variant':48} {'us/call':>8} {'ratio':>6} {'target':>7}")
-    missed = []
-    for name, (micros, ratio) in results.items():
-        target = TARGETS.get(name)
-        verdict = "" if target is None else f"<={target:.2f}"
-        if target is not None and ratio > target:
-            missed.append(name)
-            verdict += " MISSED"
-        print(f"{name:48} {micros:8.2f} {ratio:6.2f} {verdict:>7}")
-    # Building the layout in the loop, against the prebuilt case (target 1.2x): the same-round
-    # ratio of the two medians is enough here, both being per-call medians over the same rounds.
-    built = results["strict, BlockLayout built per call"][1] / results["strict"][1]
-    verdict = "met" if built <= 1.2 else f"MISSED by {built - 1.2:.2f}"
-    print(f"\nBlockLayout built per call / prebuilt: {built:.2f}x, target <= 1.2x: {verdict}")
-    return 1 if missed or built > 1.2 else 0
+    print(f"{'row':48} {'us/call':>7} {'figure':>6}  {'IQR':>11}  {'halves':>11}  baseline")
+    verdicts = []
+    for name, micros, figure, spread in measure(args.rounds, args.calls):
+        row = table[name]
+        if row.baseline is None:
+            print(f"{name:48} {micros:7.2f} {'(base)':>6}")
+            continue
+        low, high, first, second = spread
+        print(
+            f"{name:48} {micros:7.2f} {figure:6.2f}  {low:5.2f}-{high:5.2f}  "
+            f"{first:5.2f}/{second:5.2f}  {row.baseline}"
+        )
+        if row.target is not None:
+            verdicts.append((name, figure, row.target))
+    print()
+    missed = False
+    for name, figure, target in verdicts:
+        verdict = "met" if figure <= target else f"MISSED by {figure - target:.2f}"
+        missed |= figure > target
+        print(f"{name:48} {figure:5.2f}x  target <= {target:g}x  {verdict}")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

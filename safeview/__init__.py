@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from safeview import kv, vllm
     from safeview.view import make_view
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AddressError",

@@ -2,8 +2,9 @@
 
 What storage and memory a tensor lives in, a tensor's byte geometry, the ``as_strided`` that makes
 a view, and the dispatch-level guard under ``sanitize()``. The rest of the package works on
-integers. safeview never calls the four-argument ``Tensor.set_`` (which reallocates a resizable
-storage that is too small), never copies and never resizes.
+integers. safeview calls the four-argument ``Tensor.set_`` (which reallocates a resizable storage
+that is too small) only once a view is proven to fit its storage (``view_of``) and on meta
+copies of its own (``_meta_like``); it never copies and never resizes.
 """
 
 from __future__ import annotations
@@ -198,12 +199,12 @@ def view_of(
     return torch.as_strided(empty.set_(storage), shape, strides, element_offset)
 
 
-def strided_view(
-    base: torch.Tensor, shape: Sequence[int], strides: Sequence[int], element_offset: int
-) -> torch.Tensor:
-    """``torch.as_strided`` over ``base``'s storage; the one call that makes every view. Checks
-    nothing itself."""
-    return torch.as_strided(base, shape, strides, element_offset)
+# ``torch.as_strided`` over a base tensor's storage: the call that makes every view of a
+# registration (one int8 base per storage). It checks nothing itself, and it is torch's own
+# function, not a wrapper: a registration of 10,000 layers calls it 10,000 times.
+strided_view: Callable[
+    [torch.Tensor, Sequence[int], Sequence[int], int], torch.Tensor
+] = torch.as_strided  # fmt: skip
 
 
 # -- the dispatch-level guard ----------------------------------------------------------------

@@ -23,7 +23,7 @@ from safeview import _arith
 from safeview._arith import Blocks
 from safeview.errors import ArgumentError
 from safeview.findings import Finding, Kind
-from safeview.overlap import overlapping_pairs, packed_disjoint
+from safeview.overlap import Pieces, overlapping_pairs
 
 __all__ = [
     "Report",
@@ -313,20 +313,17 @@ class Report:
 
 
 class _Memory:
-    """The views over one memory that take part in the pairwise check. Block views are kept as
-    columns of integers (no object per view) for the quick test; any other view's pieces are
-    kept as they are, and then the full sweep runs."""
+    """The views over one memory that take part in the pairwise check: their positions in the
+    caller's list (``indices``), their storages and groups, and their runs as columns of
+    integers (``safeview.overlap.Pieces``: no object per view)."""
 
-    __slots__ = ("indices", "numbers", "offsets", "pieces", "runs", "storages", "strides")
+    __slots__ = ("groups", "indices", "pieces", "storages")
 
     def __init__(self) -> None:
         self.indices: list[int] = []
         self.storages: list[str] = []
-        self.offsets: list[int] = []
-        self.numbers: list[int] = []
-        self.strides: list[int] = []
-        self.runs: list[int] = []
-        self.pieces: dict[int, list[Blocks]] = {}  # position -> pieces, for non-block views
+        self.groups: list[Hashable | None] = []
+        self.pieces = Pieces()
 
 
 def check_views(
@@ -343,24 +340,52 @@ def check_views(
     views that may not share bytes is checked exactly (``safeview.overlap``). A view that overlaps
     itself is left out of the pairwise check: its own finding already says what is wrong. With
     ``checks=False`` nothing is checked (the ``off`` policy) and the report has no findings.
+    Arguments of the wrong kind raise ``ArgumentError``.
     """
-    records = {
-        name: value if type(value) is StorageRecord else StorageRecord(value)  # type: ignore[arg-type]
-        for name, value in storages.items()
-    }
-    views = tuple(views)
+    if not isinstance(storages, Mapping):
+        raise ArgumentError(
+            "storages must be a mapping of storage names to sizes in bytes or StorageRecords; "
+            f"got {type(storages).__name__}"
+        )
+    records = {}
+    for name, value in storages.items():
+        if type(value) is StorageRecord:
+            records[name] = value
+        elif type(value) is int and value >= 0:
+            records[name] = StorageRecord(value)
+        else:
+            raise ArgumentError(
+                f"storages[{name!r}] must be a size in bytes (an int >= 0) or a StorageRecord; "
+                f"got {value!r} ({type(value).__name__})"
+            )
+    try:
+        views = tuple(views)
+    except TypeError:
+        raise ArgumentError(
+            f"views must be an iterable of ViewRecords; got {type(views).__name__}"
+        ) from None
     sizes = {name: record.nbytes for name, record in records.items()}
     if not checks:
+        for view in views:
+            if type(view) is not ViewRecord and not isinstance(view, ViewRecord):
+                raise _not_a_record(view)
         return Report(sizes, views, ())
     findings: list[Finding] = []
     memories: dict[Hashable, _Memory] = {}
+    last_storage: str | None = None
+    storage = StorageRecord(0)
+    memory: _Memory | None = None
     for index, view in enumerate(views):
+        if type(view) is not ViewRecord and not isinstance(view, ViewRecord):
+            raise _not_a_record(view)
         name, storage_name, offset, shape, strides, itemsize, group, region, dtype = view
-        storage = records.get(storage_name)
-        if storage is None:
-            raise ArgumentError(
-                f"view {name!r} names storage {storage_name!r}, which is not listed"
-            )
+        if storage_name != last_storage:  # views come in runs of one storage: look it up once
+            known = records.get(storage_name)
+            if known is None:
+                raise ArgumentError(
+                    f"view {name!r} names storage {storage_name!r}, which is not listed"
+                )
+            storage, last_storage, memory = known, storage_name, None
         block = itemsize == 1 and len(shape) == 2 and strides[1] == 1
         if block:
             number, run = shape
@@ -391,31 +416,50 @@ def check_views(
             if overlap is not None:
                 findings.append(overlap)
                 continue
-        key = storage.memory if storage.memory is not None else ("storage", storage_name)
-        memory = memories.get(key)
-        if memory is None:
-            memory = memories[key] = _Memory()
+        if memory is None:  # the first view of a run of one storage that takes part
+            key = storage.memory if storage.memory is not None else ("storage", storage_name)
+            memory = memories.get(key)
+            if memory is None:
+                memory = memories[key] = _Memory()
+            base = storage.base
+            # the memory's columns, bound once per run of views (safeview.overlap.Pieces)
+            add_index, add_storage, add_group = (
+                memory.indices.append,
+                memory.storages.append,
+                memory.groups.append,
+            )
+            columns = memory.pieces
+            add_offset, add_number, add_stride, add_run, add_owner = (
+                columns.offsets.append, columns.numbers.append, columns.strides.append,
+                columns.runs.append, columns.owners.append,
+            )  # fmt: skip
         if block and not (number and run):
             continue  # an empty view shares nothing
-        memory.indices.append(index)
-        memory.storages.append(storage_name)
-        if block:
-            memory.offsets.append(offset + storage.base)
-            memory.numbers.append(number)
-            memory.strides.append(stride)
-            memory.runs.append(run)
+        position = len(memory.indices)
+        add_index(index)
+        add_storage(storage_name)
+        add_group(group)
+        if block:  # Pieces.add, inlined: this loop runs once per view of a plan
+            if number == 1 or stride == run:
+                run *= number
+                number, stride = 1, run
+            add_offset(offset + base)
+            add_number(number)
+            add_stride(stride)
+            add_run(run)
+            add_owner(position)
         else:
-            memory.offsets.append(-1)
-            memory.numbers.append(0)
-            memory.strides.append(0)
-            memory.runs.append(0)
-            parts = pieces(view)
-            if storage.base:
-                parts = [part._replace(offset=part.offset + storage.base) for part in parts]
-            memory.pieces[len(memory.indices) - 1] = parts
+            for part in pieces(view):
+                columns.add(part.offset + base, part.number, part.stride, part.run, position)
     for memory in memories.values():
         findings += _pairs(memory, views, records)
     return Report(sizes, views, tuple(findings))
+
+
+def _not_a_record(value: object) -> ArgumentError:
+    return ArgumentError(
+        f"views must hold safeview.check.ViewRecord tuples; got {type(value).__name__}"
+    )
 
 
 def _pairs(
@@ -424,22 +468,12 @@ def _pairs(
     """The overlap findings among the views of one memory."""
     if len(memory.indices) < 2:
         return []
-    if not memory.pieces and packed_disjoint(
-        memory.offsets, memory.numbers, memory.strides, memory.runs
-    ):
-        return []
-    every = [
-        memory.pieces[position]
-        if position in memory.pieces
-        else [Blocks(memory.offsets[position], number, memory.strides[position],
-                     memory.runs[position])]
-        for position, number in enumerate(memory.numbers)
-    ]  # fmt: skip
-    group_of = [views[index].group for index in memory.indices]
+    indices = memory.indices
     found = []
-    names = [views[index].name for index in memory.indices]
-    for (a, b), byte in overlapping_pairs(every, group_of, names):
-        first, second = views[memory.indices[a]], views[memory.indices[b]]
+    for (a, b), byte in overlapping_pairs(
+        memory.pieces, memory.groups, lambda position: views[indices[position]].name
+    ):
+        first, second = views[indices[a]], views[indices[b]]
         storage = memory.storages[a]
         found.append(
             Finding.overlap(

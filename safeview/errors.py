@@ -6,6 +6,7 @@ program can act on them and a person can read them in the message::
     SafeViewError
     ├── BoundsError     a view reaches past its storage or outside its declared region
     ├── OverlapError    views that must not share bytes do
+    ├── AddressError    a descriptor for a transfer engine misses the pages it must hit
     ├── ConfigError     a policy or environment variable has a value safeview does not know
     └── ArgumentError   an argument of the wrong kind or value (also a TypeError and a ValueError)
 
@@ -23,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from safeview.findings import Finding
 
-__all__ = ["ArgumentError", "BoundsError", "ConfigError", "OverlapError", "SafeViewError"]
+__all__ = [
+    "AddressError",
+    "ArgumentError",
+    "BoundsError",
+    "ConfigError",
+    "OverlapError",
+    "SafeViewError",
+]
 
 
 class SafeViewError(Exception):
@@ -119,3 +127,36 @@ class OverlapError(SafeViewError):
             f"{len(self.findings)} overlap(s) between views that must not share bytes{where}:\n  "
             + "\n  ".join(shown)
         )
+
+
+class AddressError(SafeViewError):
+    """A descriptor handed (or about to be handed) to a transfer engine does not hit whole pages
+    of the one layer it should (``safeview.transfer``), or a region is registered twice.
+
+    Attributes: ``finding`` (the first ``Finding``), ``findings`` (all of them), ``kind``
+    (``outside_memory``, ``outside_view``, ``partial_page``, ``wrong_layer``,
+    ``overlapping_writes`` or ``duplicate_registration``), ``row`` (its index in the list),
+    ``address``, ``length`` (bytes), ``device`` (``None`` when the rows carry none), ``layers``
+    (the views it touches), ``layer`` (the layer it was meant for), ``policy`` and ``source`` (the
+    call that checked it, such as ``nixl.prep_xfer_dlist``).
+    """
+
+    def __init__(
+        self, findings: Sequence[Finding], *, policy: str, source: str | None = None
+    ) -> None:
+        self.findings = tuple(findings)
+        finding = self.findings[0]
+        self.finding = finding
+        self.kind = finding.kind
+        self.row = finding.rows[0] if finding.rows else None
+        self.address = finding.address
+        self.length = finding.length_bytes
+        self.device = finding.device
+        self.layers = finding.views
+        self.layer = finding.layer
+        self.policy = policy
+        self.source = source
+        more = len(self.findings) - 1
+        tail = f"; and {more} more finding{'s' if more != 1 else ''}" if more else ""
+        where = f" (by {source})" if source else ""
+        super().__init__(f"{finding.message}{where} [policy {policy}]{tail}")

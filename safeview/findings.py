@@ -10,7 +10,21 @@ kind. Plain data; imports nothing of safeview, torch or pydantic.
 ``overlap``        two views that must not share bytes do
 =================  ==========================================================================
 
-Every finding is built by one of the four constructors below, which also write its sentence;
+Descriptors handed to a transfer engine (``safeview.transfer``) have kinds of their own:
+
+==========================  =================================================================
+``kind``                    the invariant that is broken
+==========================  =================================================================
+``outside_memory``          a descriptor's bytes lie (partly) in no storage of the registration
+``outside_view``            inside the storages but not whole pages of one view (a gap, two
+                            pages, two layers, a stride that is not the view's)
+``partial_page``            inside one page but not all of it (with ``whole_pages=True``)
+``wrong_layer``             whole pages, but of another layer than the one it is meant for
+``overlapping_writes``      two descriptors of one batch write the same byte
+``duplicate_registration``  a region registered with an engine overlaps one registered before
+==========================  =================================================================
+
+Every finding is built by one of the constructors below, which also write its sentence;
 errors (``safeview.errors``), events (``safeview.log``) and the command line all read the same
 finding instead of deriving the facts again.
 """
@@ -21,10 +35,23 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-__all__ = ["KINDS", "Finding", "Kind"]
+__all__ = ["DESCRIPTOR_KINDS", "KINDS", "Descriptor", "Finding", "Kind"]
 
-Kind = Literal["out_of_bounds", "out_of_region", "self_overlap", "overlap"]
+Kind = Literal[
+    "out_of_bounds",
+    "out_of_region",
+    "self_overlap",
+    "overlap",
+    "outside_memory",
+    "outside_view",
+    "partial_page",
+    "wrong_layer",
+    "overlapping_writes",
+    "duplicate_registration",
+]
 KINDS: tuple[Kind, ...] = get_args(Kind)
+DESCRIPTOR_KINDS: tuple[Kind, ...] = KINDS[4:]
+"""The kinds of ``safeview.transfer``: descriptors handed to a transfer engine."""
 
 
 def _view(name: str | None, empty: bool = False) -> str:
@@ -35,6 +62,51 @@ def _view(name: str | None, empty: bool = False) -> str:
 
 def _storage(storage: str | None) -> str:
     return f"storage {storage!r}" if storage is not None else "the storage"
+
+
+def _n(number: int) -> str:
+    """A number as every sentence writes it, with thousands separators: 130,343,768,064."""
+    return f"{number:,}"
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """A descriptor as a finding names it: ``index`` in its list, ``address``, ``length_bytes``,
+    ``device`` (``None`` when the rows carry none) and, for a strided row of ``count`` elements
+    ``stride_bytes`` apart, those two."""
+
+    index: int
+    address: int
+    length_bytes: int
+    device: int | None = None
+    stride_bytes: int | None = None
+    count: int | None = None
+
+    def describe(self, element: int | None = None) -> str:
+        """``descriptor 3 (address 0x7f00, 16384 bytes x 10 every 49152 bytes, device 0)``,
+        preceded by ``element k (address ...) of`` for one element of a strided row."""
+        text = f"descriptor {self.index} (address {self.address:#x}, {self.length_bytes} bytes"
+        if self.count is not None and self.stride_bytes is not None:
+            text += f" x {self.count} every {self.stride_bytes} bytes"
+        if self.device is not None:
+            text += f", device {self.device}"
+        text += ")"
+        if element is not None and self.stride_bytes is not None:
+            at = self.address + element * self.stride_bytes
+            text = f"element {element} (address {at:#x}) of {text}"
+        return text
+
+
+def _target(views: Sequence[str], packed: bool) -> str:
+    if packed and len(views) > 1:
+        return f"the packed blocks of views {views[0]!r} .. {views[-1]!r} ({len(views)} views)"
+    return f"view {views[0]!r}" if views else "no view"
+
+
+def _covers(storage: str | None, byte_offset: int | None, extent_bytes: int | None) -> str:
+    if storage is None or byte_offset is None or extent_bytes is None:
+        return ""
+    return f" covers bytes [{byte_offset}, {extent_bytes}) of storage {storage!r}:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +120,14 @@ class Finding:
     offset lies outside) and, for ``out_of_region``, ``region``. Overlap findings fill ``byte``,
     the lowest byte found in both (in a ``self_overlap``, the first byte its own pages share, when
     it can be named exactly) and ``group``.
+
+    Descriptor findings (``safeview.transfer``) fill ``rows`` (the row's index in its list; two
+    for ``overlapping_writes`` and ``duplicate_registration``), ``address``, ``length_bytes``,
+    ``device`` (``None`` when the rows carry none), ``stride_bytes`` and ``count`` (strided rows),
+    ``element`` (the element of a strided row the finding is about), ``layer`` (the layer the row
+    was meant for), ``views`` (the views it touches), and where known ``storage``,
+    ``byte_offset`` and ``extent_bytes`` (the bytes of that storage it covers); ``byte`` is an
+    address there: the first byte in no page, or the first byte written or registered twice.
     """
 
     kind: Kind
@@ -61,6 +141,14 @@ class Finding:
     region: tuple[int, int] | None = None
     byte: int | None = None
     group: Hashable | None = None
+    rows: tuple[int, ...] = ()
+    address: int | None = None
+    length_bytes: int | None = None
+    device: int | None = None
+    stride_bytes: int | None = None
+    count: int | None = None
+    element: int | None = None
+    layer: str | None = None
 
     @property
     def check(self) -> Literal["storage", "region"] | None:
@@ -97,6 +185,20 @@ class Finding:
             )
             if self.region is not None:
                 data["region"] = list(self.region)
+        elif self.kind in DESCRIPTOR_KINDS:
+            data.update(
+                rows=list(self.rows),
+                address=self.address,
+                length_bytes=self.length_bytes,
+                device=self.device,
+                stride_bytes=self.stride_bytes,
+                count=self.count,
+                element=self.element,
+                layer=self.layer,
+                byte_offset=self.byte_offset,
+                extent_bytes=self.extent_bytes,
+                byte=self.byte,
+            )
         else:
             data.update(byte=self.byte, group=_json_group(self.group))
         return data
@@ -117,17 +219,17 @@ class Finding:
         empty = extent_bytes == byte_offset
         if empty:
             overflow = byte_offset - storage_nbytes
-            needs = f"starts at byte {byte_offset}"
+            needs = f"starts at byte {_n(byte_offset)}"
         else:
             overflow = (extent_bytes - byte_offset) - max(0, storage_nbytes - byte_offset)
-            needs = f"needs bytes [{byte_offset}, {extent_bytes})"
+            needs = f"needs bytes [{_n(byte_offset)}, {_n(extent_bytes)})"
         what = _view(name, empty)
         return cls(
             "out_of_bounds",
             (name,) if name is not None else (),
             storage,
-            f"{what} {needs} but {_storage(storage)} has {storage_nbytes} bytes "
-            f"({overflow} bytes past the end)",
+            f"{what} {needs} but {_storage(storage)} has {_n(storage_nbytes)} bytes "
+            f"({_n(overflow)} bytes past the end)",
             byte_offset=byte_offset,
             extent_bytes=extent_bytes,
             limit_bytes=storage_nbytes,
@@ -152,20 +254,20 @@ class Finding:
         empty = extent_bytes == byte_offset
         parts = []
         if before:
-            parts.append(f"{before} bytes before its start")
+            parts.append(f"{_n(before)} bytes before its start")
         if after:
-            parts.append(f"{after} bytes past its end")
+            parts.append(f"{_n(after)} bytes past its end")
         needs = (
-            f"starts at byte {byte_offset}"
+            f"starts at byte {_n(byte_offset)}"
             if empty
-            else (f"needs bytes [{byte_offset}, {extent_bytes})")
+            else (f"needs bytes [{_n(byte_offset)}, {_n(extent_bytes)})")
         )
         what = _view(name, empty)
         return cls(
             "out_of_region",
             (name,) if name is not None else (),
             storage,
-            f"{what} {needs} but its region is [{start}, {end}) ({' and '.join(parts)})",
+            f"{what} {needs} but its region is [{_n(start)}, {_n(end)}) ({' and '.join(parts)})",
             byte_offset=byte_offset,
             extent_bytes=extent_bytes,
             limit_bytes=end,
@@ -197,10 +299,11 @@ class Finding:
             num_blocks, page_bytes = shape
             byte = byte_offset + stride
             message = (
-                f"{_view(name)} has block_stride_bytes={stride} smaller than "
-                f"page_bytes={page_bytes}: each of its {num_blocks} pages shares "
-                f"{page_bytes - stride} bytes with the next, from byte {byte} on (a stride of "
-                "one kernel block or of one half of a K/V split taken as the block stride?)"
+                f"{_view(name)} has block_stride_bytes={_n(stride)} smaller than "
+                f"page_bytes={_n(page_bytes)}: each of its {_n(num_blocks)} pages shares "
+                f"{_n(page_bytes - stride)} bytes with the next, from byte {_n(byte)} on (a "
+                "stride of one kernel block or of one half of a K/V split taken as the block "
+                "stride?)"
             )
         else:
             # The rule is exact for a stride of 0 (every step lands on the same bytes); for other
@@ -208,8 +311,8 @@ class Finding:
             byte = byte_offset if stride == 0 else None
             message = (
                 f"{_view(name)} (shape {tuple(shape)}, strides {tuple(strides)}) may touch some "
-                f"elements twice: axis {axis} (size {shape[axis]}, stride {stride}) steps no "
-                f"further than the {reach} elements its faster axes reach"
+                f"elements twice: axis {axis} (size {_n(shape[axis])}, stride {_n(stride)}) steps "
+                f"no further than the {_n(reach)} elements its faster axes reach"
             )
         return cls(
             "self_overlap",
@@ -231,9 +334,299 @@ class Finding:
             "overlap",
             (first, second),
             storage,
-            f"views {first!r} and {second!r}{in_group} both use byte {byte}{of}",
+            f"views {first!r} and {second!r}{in_group} both use byte {_n(byte)}{of}",
             byte=byte,
             group=group,
+        )
+
+    # -- descriptors handed to a transfer engine (safeview.transfer): one sentence per kind -------
+
+    @classmethod
+    def _descriptor(
+        cls,
+        kind: Kind,
+        row: Descriptor,
+        message: str,
+        *,
+        views: Sequence[str] = (),
+        storage: str | None = None,
+        byte_offset: int | None = None,
+        extent_bytes: int | None = None,
+        element: int | None = None,
+        layer: str | None = None,
+        byte: int | None = None,
+        overflow_bytes: int | None = None,
+        limit_bytes: int | None = None,
+        rows: tuple[int, ...] | None = None,
+    ) -> Finding:
+        return cls(
+            kind,
+            tuple(views),
+            storage,
+            message,
+            byte_offset=byte_offset,
+            extent_bytes=extent_bytes,
+            limit_bytes=limit_bytes,
+            overflow_bytes=overflow_bytes,
+            byte=byte,
+            rows=rows if rows is not None else (row.index,),
+            address=row.address,
+            length_bytes=row.length_bytes,
+            device=row.device,
+            stride_bytes=row.stride_bytes,
+            count=row.count,
+            element=element,
+            layer=layer,
+        )
+
+    @classmethod
+    def outside_memory(
+        cls,
+        row: Descriptor,
+        *,
+        reason: Literal["no_storage", "past_end", "device", "wraps"],
+        element: int | None = None,
+        storage: str | None = None,
+        storage_nbytes: int | None = None,
+        storage_device: str | None = None,
+        byte_offset: int | None = None,
+        extent_bytes: int | None = None,
+        end_address: int | None = None,
+        layer: str | None = None,
+    ) -> Finding:
+        """The row's bytes lie (partly) in no storage of the registration: none at all
+        (``no_storage``), past the end of the one it starts in (``past_end``: ``byte_offset``
+        and ``extent_bytes`` in it, ``storage_nbytes``), on another device than the row names
+        (``device``), or past the last address, 2**64 - 1 (``wraps``: ``end_address``)."""
+        what = row.describe(element)
+        overflow = None
+        if reason == "past_end":
+            assert byte_offset is not None
+            assert extent_bytes is not None
+            assert storage_nbytes is not None
+            overflow = extent_bytes - storage_nbytes
+            tail = (
+                f"needs bytes [{byte_offset}, {extent_bytes}) of storage {storage!r}, which has "
+                f"{storage_nbytes} bytes ({overflow} bytes past its end)"
+            )
+        elif reason == "device":
+            tail = (
+                f"names device {row.device}, but its bytes lie in storage {storage!r} on "
+                f"{storage_device}"
+            )
+        elif reason == "wraps":
+            assert end_address is not None
+            overflow = end_address - 2**64
+            tail = (
+                f"ends at {end_address:#x}, {overflow} bytes past the last address "
+                "(2**64 - 1): no memory lies there"
+            )
+        else:
+            tail = "lies in no storage of the registration"
+        return cls._descriptor(
+            "outside_memory",
+            row,
+            f"{what} {tail}",
+            storage=storage,
+            byte_offset=byte_offset,
+            extent_bytes=extent_bytes,
+            element=element,
+            overflow_bytes=overflow,
+            limit_bytes=storage_nbytes,
+            layer=layer,
+        )
+
+    @classmethod
+    def outside_view(
+        cls,
+        row: Descriptor,
+        *,
+        reason: Literal["gap", "pages", "views", "storages", "stride", "count"],
+        views: Sequence[str] = (),
+        storage: str | None = None,
+        byte_offset: int | None = None,
+        extent_bytes: int | None = None,
+        blocks: tuple[int, int] | None = None,
+        byte: int | None = None,
+        gap_offset: int | None = None,
+        storages: tuple[str, str] | None = None,
+        block_stride_bytes: int | None = None,
+        num_blocks: int | None = None,
+        packed: bool = False,
+        element: int | None = None,
+        layer: str | None = None,
+    ) -> Finding:
+        """Inside the storages, but not whole pages of one view: byte ``byte`` (``gap_offset``
+        in its storage) lies in no page (``gap``); the row spans ``blocks`` of one view without
+        being whole pages (``pages``), or pages of two views (``views``, one block each), or two
+        storages (``storages``); a strided row's stride is not its view's
+        ``block_stride_bytes`` (``stride``), or its elements need ``blocks`` (first and last)
+        past the view's ``num_blocks`` (``count``)."""
+        what = row.describe(element)
+        covers = _covers(storage, byte_offset, extent_bytes)
+        if reason == "gap":
+            tail = f"byte {gap_offset} there lies in no page of any view (a gap or padding)"
+        elif reason == "pages":
+            assert blocks is not None
+            tail = (
+                f"it spans pages {blocks[0]} and {blocks[1]} of view {views[0]!r} without "
+                "being whole pages"
+            )
+        elif reason == "views":
+            assert blocks is not None
+            tail = (
+                f"it spans view {views[0]!r} (page {blocks[0]}) and view {views[1]!r} "
+                f"(page {blocks[1]}): pages of two views"
+            )
+        elif reason == "storages":
+            assert storages is not None
+            covers = ""
+            tail = f" spans storages {storages[0]!r} and {storages[1]!r}"
+        elif reason == "stride":
+            tail = (
+                f"a strided row is one view, and {_target(views, packed)} has a block stride of "
+                f"{block_stride_bytes} bytes, not {row.stride_bytes}"
+            )
+        else:
+            assert blocks is not None
+            assert num_blocks is not None
+            assert row.count is not None
+            tail = (
+                f"its {row.count} elements need blocks {blocks[0]}..{blocks[1]} of "
+                f"{_target(views, packed)}, which has {num_blocks} "
+                f"({blocks[1] + 1 - num_blocks} too many)"
+            )
+        joiner = "" if reason == "storages" else (covers + " " if covers else " ")
+        return cls._descriptor(
+            "outside_view",
+            row,
+            f"{what}{joiner}{tail}",
+            views=views,
+            storage=storage,
+            byte_offset=byte_offset,
+            extent_bytes=extent_bytes,
+            element=element,
+            byte=byte,
+            layer=layer,
+        )
+
+    @classmethod
+    def partial_page(
+        cls,
+        row: Descriptor,
+        *,
+        view: str,
+        block: int,
+        storage: str,
+        byte_offset: int,
+        extent_bytes: int,
+        page_offset: int,
+        page_bytes: int,
+        element: int | None = None,
+        layer: str | None = None,
+    ) -> Finding:
+        """The row lies inside page ``block`` of ``view`` (at ``page_offset`` of ``storage``)
+        without covering all of it, and whole pages are required."""
+        what = row.describe(element)
+        return cls._descriptor(
+            "partial_page",
+            row,
+            f"{what}{_covers(storage, byte_offset, extent_bytes)} {extent_bytes - byte_offset} "
+            f"of the {page_bytes} bytes of page {block} of view {view!r} (bytes [{page_offset}, "
+            f"{page_offset + page_bytes})), and whole pages are required",
+            views=(view,),
+            storage=storage,
+            byte_offset=byte_offset,
+            extent_bytes=extent_bytes,
+            element=element,
+            layer=layer,
+        )
+
+    @classmethod
+    def wrong_layer(
+        cls,
+        row: Descriptor,
+        *,
+        layer: str,
+        views: Sequence[str],
+        blocks: tuple[int, int],
+        packed: bool,
+        storage: str | None,
+        byte_offset: int | None,
+        extent_bytes: int | None,
+        element: int | None = None,
+    ) -> Finding:
+        """The row is whole pages (``blocks``, first and last) of ``views``, none of them of
+        ``layer``, the layer it is meant for."""
+        first, last = blocks
+        noun = "packed block" if packed else "page"
+        pages = f"{noun} {first}" if first == last else f"{noun}s {first}..{last}"
+        return cls._descriptor(
+            "wrong_layer",
+            row,
+            f"{row.describe(element)} is meant for layer {layer!r} but covers {pages} of "
+            f"{_target(views, packed)}",
+            views=views,
+            storage=storage,
+            byte_offset=byte_offset,
+            extent_bytes=extent_bytes,
+            element=element,
+            layer=layer,
+        )
+
+    @classmethod
+    def overlapping_writes(
+        cls,
+        first: Descriptor,
+        second: Descriptor,
+        *,
+        byte: int,
+        views: Sequence[str] = (),
+        storage: str | None = None,
+        byte_offset: int | None = None,
+    ) -> Finding:
+        """Write descriptors ``first`` and ``second`` of one batch (or two elements of one
+        strided row) both write the byte at address ``byte``."""
+        where = ""
+        if storage is not None and byte_offset is not None:
+            where = f" (byte {byte_offset} of storage {storage!r}"
+            where += f", in view {views[0]!r})" if views else ")"
+        if first.index == second.index:
+            message = (
+                f"{first.describe()} writes byte {byte:#x}{where} twice: its stride of "
+                f"{first.stride_bytes} bytes is shorter than its {first.length_bytes} bytes"
+            )
+        else:
+            message = (
+                f"write descriptors {first.index} and {second.index} both write byte "
+                f"{byte:#x}{where}: {first.describe()} and {second.describe()}"
+            )
+        return cls._descriptor(
+            "overlapping_writes",
+            first,
+            message,
+            views=views,
+            storage=storage,
+            byte_offset=byte_offset,
+            byte=byte,
+            rows=(first.index, second.index),
+        )
+
+    @classmethod
+    def duplicate_registration(
+        cls, region: Descriptor, earlier: Descriptor, *, byte: int, engine: str
+    ) -> Finding:
+        """Region ``region`` overlaps ``earlier``, registered before with the same engine, from
+        the address ``byte`` on."""
+        text = region.describe().replace("descriptor", "region", 1)
+        before = f"address {earlier.address:#x}, {earlier.length_bytes} bytes"
+        return cls._descriptor(
+            "duplicate_registration",
+            region,
+            f"{text} overlaps the region ({before}) registered before with this {engine}, from "
+            f"byte {byte:#x} on: a transfer's addresses could then resolve to either region",
+            byte=byte,
+            rows=(region.index, earlier.index),
         )
 
 

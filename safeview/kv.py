@@ -10,10 +10,9 @@ connector's ``register_kv_caches`` and runs the method under ``sanitize()``.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -36,7 +35,10 @@ __all__ = [
     "guard_registration",
 ]
 
-KvCaches = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
+KvCaches = (
+    Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
+    | Sequence["torch.Tensor | Sequence[torch.Tensor]"]
+)
 _Tensor = _torch.Tensor
 _STRIDED = _torch._STRIDED
 
@@ -104,6 +106,21 @@ def _tensors(layer: str, value: object) -> list[torch.Tensor]:
     return list(tensors)
 
 
+def _as_mapping(kv_caches: object, what: str) -> Mapping[str, Any]:
+    """``kv_caches`` as a mapping of layer names to a tensor or a list of tensors: a mapping as
+    it is, a list or tuple of them with layers named ``"0"``, ``"1"``, ...; else an
+    ``ArgumentError`` that says what to pass."""
+    if isinstance(kv_caches, Mapping):
+        return kv_caches
+    if isinstance(kv_caches, (list, tuple)) and not _torch.is_strided_tensor(kv_caches):
+        return {str(index): value for index, value in enumerate(kv_caches)}
+    raise ArgumentError(
+        f"{what} must map each layer's name to its cache tensor (or a list of its K/V "
+        "tensors), or be a list of those, one per layer; "
+        f"got {type(kv_caches).__name__}"
+    )
+
+
 class _Storages:
     """The distinct storages behind a set of tensors, named ``storage0``, ``storage1``, ... in
     order of first appearance, with the memory each lies in."""
@@ -136,7 +153,9 @@ class Registration:
     ``tensors_per_block`` is what vLLM's offloading worker consumes: for each layer, its int8
     ``(num_blocks, page_bytes)`` views. ``page_bytes`` is each layer's page size; ``report`` has
     every view (``report.views``, in plain numbers), every finding and the storages' sizes;
-    ``devices`` the device of each storage.
+    ``devices`` the device of each storage; ``storages`` what each storage is (``StorageFacts``:
+    size, device and ``base``, the address of its byte 0, 0 on ``meta``), which is what
+    ``safeview.transfer.memory_map`` turns into addresses to check descriptors against.
     """
 
     tensors_per_block: dict[str, tuple[torch.Tensor, ...]]
@@ -144,6 +163,7 @@ class Registration:
     report: Report
     devices: dict[str, str]
     policy: Policy
+    storages: dict[str, _torch.StorageFacts] = field(default_factory=dict)
 
     @property
     def violations(self) -> tuple[Finding, ...]:
@@ -213,13 +233,42 @@ class _Planned:
         self.tensors.append(tensor)
 
 
+def _names(value: object, what: str) -> frozenset[str]:
+    """A collection of layer names, taken once as a set (a tuple or list is what users pass, and
+    ``in`` on it per layer would be quadratic)."""
+    if isinstance(value, (set, frozenset)):
+        return frozenset(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Collection):
+        raise ArgumentError(
+            f"{what} must be a collection of layer names; got {value!r} ({type(value).__name__})"
+        )
+    return frozenset(value)
+
+
 def _region(regions: Mapping[str, Region | Sequence[int]] | None, layer: str) -> Any:
     if regions is None:
         return None
     value = regions.get(layer)
     if value is None:
         return None
-    return value.as_tuple() if isinstance(value, Region) else Region.coerce(value).as_tuple()
+    if isinstance(value, Region):
+        return value.as_tuple()
+    try:
+        return Region.coerce(value).as_tuple()
+    except ValueError as error:  # pydantic's ValidationError, for a caller's argument
+        raise ArgumentError(
+            f"regions[{layer!r}] must be (start_byte, end_byte) with 0 <= start <= end; "
+            f"got {value!r}: {_first_error(error)}"
+        ) from None
+
+
+def _first_error(error: ValueError) -> str:
+    errors = getattr(error, "errors", None)
+    if callable(errors):
+        found = errors()
+        if found:
+            return str(found[0].get("msg", error))
+    return str(error)
 
 
 def block_views(
@@ -253,6 +302,17 @@ def block_views(
     """
     active = current_policy(policy)
     blocks = _count(num_blocks, "num_blocks")
+    kv_caches = _as_mapping(kv_caches, "kv_caches")
+    if not isinstance(specs, Mapping):
+        raise ArgumentError(
+            f"specs must map each layer's name to its page size or spec; got {type(specs).__name__}"
+        )
+    for what, mapping in (("groups", groups), ("regions", regions)):
+        if mapping is not None and not isinstance(mapping, Mapping):
+            raise ArgumentError(
+                f"{what} must be a mapping keyed by layer name; got {type(mapping).__name__}"
+            )
+    packed = _names(packed, "packed")
     planned = _Planned()
     page_bytes: dict[str, int] = {}
     for layer, value in kv_caches.items():
@@ -353,6 +413,7 @@ def _register(
         report,
         {name: facts.device for name, facts in storages.facts.items()},
         active,
+        dict(storages.facts),
     )
 
 
@@ -425,6 +486,11 @@ def check_tensors(
     ``BoundsError`` or ``OverlapError``; under warn, logs.
     """
     active = current_policy(policy)
+    kv_caches = _as_mapping(kv_caches, "kv_caches")
+    if groups is not None and not isinstance(groups, Mapping):
+        raise ArgumentError(
+            f"groups must map layer names to their KV-cache group; got {type(groups).__name__}"
+        )
     storages = _Storages()
     records = []
     for layer, value in kv_caches.items():
@@ -445,8 +511,7 @@ def check_tensors(
                 )
             )
     report = check_views(storages.records(), records, checks=active is not Policy.OFF)
-    if active is not Policy.OFF:
-        _report(report, storages, active, layers=len(kv_caches), source="check_tensors")
+    _report(report, storages, active, layers=len(kv_caches), source="check_tensors")
     return report
 
 
@@ -469,26 +534,35 @@ def guard_registration(
     policy: PolicyArg | None = None,
 ) -> F | Callable[[F], F]:
     """Decorate a connector's ``register_kv_caches(self, kv_caches, ...)``: the incoming tensors
-    are checked with ``check_tensors`` before it runs, and the method runs under ``sanitize()``,
-    so every view it makes is checked before it is made::
+    are checked with ``check_tensors`` before it runs, and the method runs under ``sanitize()``
+    told the layers and their groups, so every view it makes is checked before it is made, and a
+    view made from one layer's cache on another layer's bytes of the same group is refused::
 
         class MyConnector:
             @guard_registration(groups=lambda self: self.layer_groups)
             def register_kv_caches(self, kv_caches): ...
 
-    ``groups`` is a mapping, or a function of the connector that returns one (the KV-cache
-    config is usually known only once the connector exists).
+    ``kv_caches`` is a mapping of layer names to a tensor or a list of tensors, or a list of
+    them (layers named ``"0"``, ``"1"``, ...). ``groups`` is a mapping, or a function of the
+    connector that returns one (the KV-cache config is usually known only once the connector
+    exists). ``async def`` methods are checked for the whole of their run.
     """
-    from safeview.sanitize import sanitize
+    from safeview.sanitize import Sanitizer, _decorate
 
     def decorate(function: F) -> F:
-        @functools.wraps(function)
-        def wrapper(self: Any, kv_caches: KvCaches, *args: Any, **kwargs: Any) -> Any:
+        def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if len(args) < 2 and "kv_caches" not in kwargs:
+                raise ArgumentError(
+                    "guard_registration decorates a method called as "
+                    "register_kv_caches(self, kv_caches, ...); it got no kv_caches"
+                )
+            self = args[0]
+            kv_caches = args[1] if len(args) > 1 else kwargs["kv_caches"]
             resolved = groups(self) if callable(groups) else groups
-            check_tensors(kv_caches, groups=resolved, policy=policy)
-            with sanitize(policy=policy):
-                return function(self, kv_caches, *args, **kwargs)
+            caches = _as_mapping(kv_caches, "kv_caches")
+            check_tensors(caches, groups=resolved, policy=policy)
+            return Sanitizer(policy, layers=caches, groups=resolved)
 
-        return wrapper  # type: ignore[return-value]
+        return _decorate(function, make)
 
     return decorate(method) if method is not None else decorate

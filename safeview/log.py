@@ -1,5 +1,5 @@
-"""Structured events through the stdlib logger ``safeview``: one builder per row of the README's
-event table, and nothing else in the package builds an event.
+"""Structured events through the stdlib logger ``safeview``: one builder per row of the
+event table in docs/events.md, and nothing else in the package builds an event.
 
 safeview never configures logging on import: the ``safeview`` logger has a ``NullHandler`` (the
 stdlib rule for libraries) and its events reach whatever handlers the application set up, as a

@@ -2,14 +2,24 @@
 
 Two views overlap when they share at least one byte. Spans are not enough: the interleaved pages
 of a packed block layout span almost the whole storage each and share nothing. Every view is split
-into runs of equally spaced blocks (``_arith.Blocks``), and:
+into runs of equally spaced blocks (``_arith.Blocks``), kept as columns of integers (``Pieces``),
+and:
 
-- runs of one block stride (a packed group) are rectangles in (block index, byte within the
-  block) coordinates, found by one sweep over the byte within the block, in O(L log L);
-- contiguous runs, and runs of different strides, meet through a sweep over their spans, and only
-  pairs whose spans intersect get the exact arithmetic test (``_arith.shared_byte``). That sweep
-  is near-linear when spans of different strides seldom intersect, and quadratic in the worst
-  case (many views of different strides interleaved over the same bytes).
+- first a quick exit (``_suspects``): when every block stride divides the largest, a view's
+  pages fall on a few ranges of places within that period; a view whose ranges meet no other
+  view's (and contiguous runs that lie apart) shares no byte. One sort settles a correct layout,
+  however its views interleave, and allocates nothing per view but integers; in a broken one only
+  the views that may be at fault go on to the sweeps below;
+- views of different KV-cache groups may share bytes: each group is judged with the views that
+  have no group, instead of judging everything and discarding the pairs across groups;
+- otherwise runs of one block stride (a packed group) are rectangles in (block index, byte within
+  the block) coordinates, found by one sweep over the byte within the block, in O(L log L);
+  strides that divide one another are folded into the largest one's period first;
+- contiguous runs, and runs of strides that do not divide one another, meet through a sweep over
+  their spans, and only pairs whose spans intersect get the exact arithmetic test
+  (``_arith.shared_byte``). That sweep is near-linear when spans of different strides seldom
+  intersect, and quadratic in the worst case (many views of different strides interleaved over
+  the same bytes).
 
 ``overlapping_pairs`` is what the checker (``safeview.check``) calls; ``find_overlaps`` is the
 same on layouts, returning ``overlap`` findings.
@@ -20,7 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from safeview import _arith
@@ -28,15 +38,41 @@ from safeview._arith import Blocks
 from safeview.errors import ArgumentError
 from safeview.findings import Finding
 
-__all__ = ["find_overlaps", "overlapping_pairs", "packed_disjoint"]
+__all__ = ["Pieces", "find_overlaps", "overlapping_pairs"]
 
 
-def _normalised(piece: Blocks) -> Blocks:
-    """Back-to-back blocks are one contiguous run (``number == 1``)."""
-    if piece.number == 1 or piece.stride == piece.run:
-        run = piece.run * piece.number
-        return Blocks(piece.offset, 1, run, run)
-    return piece
+class Pieces:
+    """The runs of the views over one memory, as columns of integers: run ``i`` is
+    ``numbers[i]`` blocks of ``runs[i]`` bytes, one every ``strides[i]`` bytes from
+    ``offsets[i]``, and belongs to view ``owners[i]`` (a position, ``0`` to ``views - 1``).
+    Back-to-back blocks are kept as one contiguous run (``numbers[i] == 1``, ``strides[i] ==
+    runs[i]``); empty runs are not kept. No object per run: 100,000 views make five lists."""
+
+    __slots__ = ("numbers", "offsets", "owners", "runs", "strides")
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+        self.numbers: list[int] = []
+        self.strides: list[int] = []
+        self.runs: list[int] = []
+        self.owners: list[int] = []
+
+    def add(self, offset: int, number: int, stride: int, run: int, owner: int) -> None:
+        """Keep a run of a view whose own blocks do not overlap (``stride >= run`` when
+        ``number > 1``)."""
+        if not number or not run:
+            return
+        if number == 1 or stride == run:
+            run *= number
+            number, stride = 1, run
+        self.offsets.append(offset)
+        self.numbers.append(number)
+        self.strides.append(stride)
+        self.runs.append(run)
+        self.owners.append(owner)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
 
 
 # A rectangle in (block index, byte within the block) coordinates of one block stride:
@@ -222,42 +258,140 @@ def _overlaps_in_group(pieces: list[tuple[Blocks, int]]) -> dict[tuple[int, int]
     return found
 
 
-def packed_disjoint(
-    offsets: Sequence[int], numbers: Sequence[int], strides: Sequence[int], runs: Sequence[int]
-) -> bool:
-    """A quick, exact test for the common case, on columns of integers (no object per view):
-    ``True`` when the runs ``(offsets[i], numbers[i], strides[i], runs[i])`` all have one block
-    stride and one number of blocks, start in the same block, do not spill over into the next
-    block period, and their ranges within the block are disjoint (a packed group laid out
-    correctly). ``False`` means only that the full sweep must decide.
+def _suspects(pieces: Pieces, indices: Iterable[int]) -> list[int] | None:
+    """The runs that may share a byte with another of these, found without comparing pairs:
+    every other run is proven to share none. An empty list proves them all apart; ``None`` says
+    that this cannot be told (block strides that do not divide one another).
+
+    When every block stride divides the largest one (the period), a byte's place within the
+    period is the same in every run that touches it, so runs whose ranges of places within the
+    period meet no other run's share nothing, whatever blocks they span: a run of stride ``s``
+    falls on ``period / s`` such ranges (fewer when it has fewer blocks), and a page that runs
+    over the end of the period on two. Contiguous runs are judged by their spans against each
+    other; one that reaches among the strided runs also by its places within the period (or,
+    when not shorter than the period, it is taken with every strided run). One sort of plain
+    integers settles a correct layout, however its views interleave; a broken one's sweep then
+    runs over the few runs that may be at fault instead of all of them.
     """
-    stride, number = strides[0], numbers[0]
-    if stride <= 0 or any(s != stride for s in strides) or any(n != number for n in numbers):
-        return False
-    first_block = offsets[0] // stride
-    residues = [offset - first_block * stride for offset in offsets]
-    ends = [residue + run for residue, run in zip(residues, runs)]
-    if min(residues) < 0 or max(ends) > stride:
-        return False
-    reach = 0
-    for position in sorted(range(len(residues)), key=residues.__getitem__):
-        if residues[position] < reach:
-            return False
-        reach = ends[position]
-    return True
+    offsets, numbers, strides, runs = pieces.offsets, pieces.numbers, pieces.strides, pieces.runs
+    indices = list(indices)
+    strided = [index for index in indices if numbers[index] > 1]
+    contiguous = [index for index in indices if numbers[index] == 1]
+    suspects: set[int] = set()
+    if strided:
+        used = set(map(strides.__getitem__, strided))
+        period = max(used)
+        if any(period % stride or period // stride > MAX_FOLD_RATIO for stride in used):
+            return None
+        # The range [start, end) of places within the period of run `index` is the integer
+        # (start * width + end) * size + index: sorting those sorts by start, with no tuple.
+        width, size = period + 1, len(offsets)
+        ranges: list[int] = []
+        add = ranges.append
+
+        def place(index: int, first: int, count: int, step: int) -> None:
+            run = runs[index]
+            for start in range(first, first + count * step, step):
+                start %= period
+                end = start + run
+                if end <= period:
+                    add((start * width + end) * size + index)
+                else:  # the page runs over the end of the period
+                    add((start * width + period) * size + index)
+                    add((end - period) * size + index)
+
+        for index in strided:
+            offset, stride, run = offsets[index], strides[index], runs[index]
+            if stride == period:  # one range, the usual case: inlined
+                start = offset % period
+                end = start + run
+                if end <= period:
+                    add((start * width + end) * size + index)
+                    continue
+            place(index, offset, min(numbers[index], period // stride), stride)
+        if contiguous:
+            low = min(map(offsets.__getitem__, strided))
+            high = max(
+                offsets[index] + (numbers[index] - 1) * strides[index] + runs[index]
+                for index in strided
+            )
+            for index in contiguous:
+                if offsets[index] < high and low < offsets[index] + runs[index]:
+                    if runs[index] < period:  # among the strided runs: by its places too
+                        place(index, offsets[index], 1, period)
+                    else:
+                        suspects.add(index)
+                        suspects.update(strided)
+        ranges.sort()
+        limit, unit = 0, width * size  # limit: the previous range's end, in the keys' units
+        for key in ranges:
+            if key < limit:
+                suspects.update(_meeting_places(ranges, width, size))
+                break
+            limit = key // size % width * unit
+    if len(contiguous) > 1:
+        spans = [(offsets[index], offsets[index] + runs[index], index) for index in contiguous]
+        suspects.update(_meeting(spans))
+    return sorted(suspects)
+
+
+def _meeting_places(ranges: list[int], width: int, size: int) -> set[int]:
+    """The runs whose ranges of places (sorted and encoded as in ``_suspects``) meet another."""
+    decoded = []
+    for key in ranges:
+        rest, index = divmod(key, size)
+        start, end = divmod(rest, width)
+        decoded.append((start, end, index))
+    return _meeting(decoded)
+
+
+def _meeting(ranges: list[tuple[int, int, int]]) -> set[int]:
+    """The indices of the ranges ``(start, end, index)`` that meet another range."""
+    ranges.sort()
+    meeting = set()
+    reach = None
+    for position, (start, end, index) in enumerate(ranges):
+        if reach is not None and start < reach:
+            meeting.add(index)  # meets an earlier range
+        reach = end if reach is None else max(reach, end)
+        if position + 1 < len(ranges) and ranges[position + 1][0] < end:
+            meeting.add(index)  # meets the next one, which starts first among the later ones
+    return meeting
+
+
+def _sweep(pieces: Pieces, indices: Iterable[int]) -> dict[tuple[int, int], int]:
+    """Every pair of views of these runs that share a byte, with the lowest shared byte."""
+    offsets, numbers, strides, runs = pieces.offsets, pieces.numbers, pieces.strides, pieces.runs
+    owners = pieces.owners
+    return _overlaps_in_group(
+        [
+            (Blocks(offsets[index], numbers[index], strides[index], runs[index]), owners[index])
+            for index in indices
+        ]
+    )
+
+
+def _judge(pieces: Pieces, indices: Sequence[int]) -> dict[tuple[int, int], int]:
+    """Every pair of views of these runs that share a byte: the sweep over the runs that may be
+    at fault (``_suspects``), or over all of them when that cannot be told."""
+    suspects = _suspects(pieces, indices)
+    if suspects is None:
+        return _sweep(pieces, indices)
+    return _sweep(pieces, suspects) if suspects else {}
 
 
 def overlapping_pairs(
-    pieces: Sequence[Sequence[Blocks]],
+    pieces: Pieces,
     group_of: Sequence[Hashable | None],
-    names: Sequence[str] | None = None,
+    name_of: Callable[[int], str] | None = None,
 ) -> list[tuple[tuple[int, int], int]]:
     """Every pair ``(a, b)``, ``a < b``, of views that share a byte and may not, with the lowest
-    shared byte found, sorted by ``(a, b)``.
+    shared byte, sorted by ``(a, b)``.
 
-    ``pieces[i]`` are the runs of view ``i`` (in one address space); ``group_of[i]`` its group;
-    ``names[i]`` its name, for the error below. Views of two different groups may share bytes; a
-    view without a group (``None``) may share with none.
+    ``pieces`` are the runs of the views (positions ``0`` to ``len(group_of) - 1``, in one
+    address space); ``group_of[a]`` is view ``a``'s group; ``name_of(a)`` its name, for the error
+    below. Views of two different groups may share bytes; a view without a group (``None``) may
+    share with none.
 
     Cost: O(P log P) in the number of runs P when all block strides divide the largest (one
     stride, or kernel blocks beside manager blocks, a packed whole-block view beside its
@@ -268,7 +402,7 @@ def overlapping_pairs(
     try:
         return _pairs(pieces, group_of)
     except _TooMuchWorkError as stop:
-        a, b = (repr(names[i]) if names is not None else str(i) for i in stop.views)
+        a, b = (repr(name_of(i)) if name_of is not None else str(i) for i in stop.views)
         raise ArgumentError(
             f"views {a} and {b} (block strides {stop.strides[0]} and {stop.strides[1]}, which do "
             f"not divide one another) and others like them interleave over the same bytes: "
@@ -278,25 +412,35 @@ def overlapping_pairs(
 
 
 def _pairs(
-    pieces: Sequence[Sequence[Blocks]], group_of: Sequence[Hashable | None]
+    pieces: Pieces, group_of: Sequence[Hashable | None]
 ) -> list[tuple[tuple[int, int], int]]:
+    count = len(pieces)
+    if count < 2:
+        return []
+    groups = set(group_of)
+    groups.discard(None)
+    if len(groups) < 2:
+        # one group, with or without views of none: every pair that shares a byte is reported
+        return sorted(_judge(pieces, range(count)).items())
+    members: dict[Hashable, list[int]] = defaultdict(list)
+    owners = pieces.owners
+    for index in range(count):
+        members[group_of[owners[index]]].append(index)
+    loose = members.pop(None, [])
     found: dict[tuple[int, int], int] = {}
-    if any(group is None for group in group_of) or len(set(group_of)) == 1:
-        # One sweep over everything, keeping the pairs that may not share.
-        every = [
-            (_normalised(piece), index)
-            for index, view_pieces in enumerate(pieces)
-            for piece in view_pieces
-        ]
-        for (a, b), byte in _overlaps_in_group(every).items():
+    if len(loose) * (len(members) - 1) > count:
+        # many views without a group beside many groups: one sweep, keeping the pairs that may
+        # not share, costs less than judging those views again with every group
+        for (a, b), byte in _sweep(pieces, range(count)).items():
             if group_of[a] is None or group_of[b] is None or group_of[a] == group_of[b]:
                 found[(a, b)] = byte
-    else:
-        members: dict[Hashable, list[tuple[Blocks, int]]] = defaultdict(list)
-        for index, view_pieces in enumerate(pieces):
-            members[group_of[index]].extend((_normalised(p), index) for p in view_pieces)
-        for member_pieces in members.values():
-            found.update(_overlaps_in_group(member_pieces))
+        return sorted(found.items())
+    # Views of two groups may share bytes: each group is judged with the views of none, and no
+    # pair across groups is ever looked at.
+    for indices in members.values():
+        if loose:
+            indices += loose
+        found.update(_judge(pieces, indices))
     return sorted(found.items())
 
 
@@ -322,23 +466,56 @@ def find_overlaps(
     bytes (in vLLM's hybrid allocator a block id belongs to one KV-cache group at a time) and are
     not reported. A view without a group (absent from ``groups``, or mapped to ``None``) may share
     a byte with no other view, and without ``groups`` no two views may. The result is ordered by
-    the positions of the two views in ``layouts``.
+    the positions of the two views in ``layouts``. Arguments of the wrong kind raise
+    ``ArgumentError``.
 
     >>> from safeview import packed_layouts
     >>> find_overlaps(packed_layouts({"k": 64, "v": 64}, num_blocks=100))
     []
     """
+    if not isinstance(layouts, Mapping):
+        raise ArgumentError(
+            "layouts must be a mapping of view names to layouts ({name: BlockLayout or "
+            f"StridedLayout}}); got {type(layouts).__name__}"
+        )
+    if groups is not None and not isinstance(groups, Mapping):
+        raise ArgumentError(
+            "groups must be a mapping of view names to groups, or None; "
+            f"got {type(groups).__name__}"
+        )
     names = list(layouts)
-    pieces = []
-    for name in names:
+    pieces = Pieces()
+    add = pieces.add
+    for position, name in enumerate(names):
         layout = layouts[name]
         try:
-            pieces.append(
-                _arith.blocks(layout.byte_offset, layout.shape, layout.strides, layout.itemsize)
-            )
+            offset, shape, strides = layout.byte_offset, layout.shape, layout.strides
+            itemsize = layout.itemsize
+        except AttributeError:
+            raise ArgumentError(
+                f"layouts[{name!r}] must be a safeview BlockLayout or StridedLayout; got "
+                f"{type(layout).__name__}"
+            ) from None
+        if itemsize == 1 and len(shape) == 2 and strides[1] == 1:  # a block view: one run
+            add(offset, shape[0], strides[0], shape[1], position)
+            continue
+        try:
+            parts = _arith.blocks(offset, shape, strides, itemsize)
         except ValueError as error:
             raise ArgumentError(f"view {name!r}: {error}") from None
-    group_of = [None if groups is None else groups.get(name) for name in names]
+        for part in parts:
+            add(*part, position)
+    group_of: list[Hashable | None] = [None] * len(names)
+    if groups is not None:
+        for position, name in enumerate(names):
+            group = group_of[position] = groups.get(name)
+            try:
+                hash(group)
+            except TypeError:
+                raise ArgumentError(
+                    f"groups[{name!r}] must be a hashable group key (a str, an int, ...); "
+                    f"got {group!r} ({type(group).__name__})"
+                ) from None
     return [
         Finding.overlap(
             names[a],
@@ -347,5 +524,5 @@ def find_overlaps(
             byte=byte,
             group=group_of[a] if group_of[a] == group_of[b] else None,
         )
-        for (a, b), byte in overlapping_pairs(pieces, group_of, names)
+        for (a, b), byte in overlapping_pairs(pieces, group_of, names.__getitem__)
     ]

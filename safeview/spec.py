@@ -40,6 +40,7 @@ from typing_extensions import Self
 
 from safeview import _arith
 from safeview.check import self_overlap
+from safeview.errors import ArgumentError
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,7 @@ __all__ = [
     "Region",
     "StridedLayout",
     "packed_layouts",
+    "region_span",
 ]
 
 INT64_MAX = _arith.INT64_MAX
@@ -185,34 +187,108 @@ def _dtype_name(value: Any) -> Any:
 
 
 _MAX_INTERNED = 4_096
+_UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<unset>"})()
 
 
 class _Interned(type(BaseModel)):  # type: ignore[misc]
-    """Builds each ``BlockLayout`` once per distinct set of plain ``int`` fields and hands the
-    same frozen instance back afterwards, so that a layout built inside a per-layer loop costs a
-    dictionary look-up. The key holds the names, the values and their types, and only layouts
-    given exact ``int`` values are remembered (``True``, ``numpy.int64`` and the rest are
-    validated every time), so no value passes that validation would refuse."""
+    """Builds ``BlockLayout`` without pydantic's machinery when every value is a plain ``int``,
+    and hands the same frozen instance back for values it has built before.
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            return super().__call__(*args, **kwargs)
-        values = tuple(kwargs.values())
-        key = (tuple(kwargs), values, tuple(map(type, values)))
-        try:
+    A layout built inside a per-layer loop costs the checks and an object, not a validation: new
+    values are checked here, by the rules of ``BlockLayout``'s fields and validator, and only a
+    layout that passes them all is built this way; anything else,
+    ``True``, ``numpy.int64``, a value out of range, a name that is not a field, goes to
+    pydantic's validation, which gives the same layout or the same ``ValidationError`` as
+    always. Values built a second time are remembered (by the values, and whether ``byte_offset``
+    was given), up to ``_MAX_INTERNED`` of them, so that a loop that rebuilds equal values costs
+    a dictionary look-up and gets the same frozen instance from then on."""
+
+    def __call__(
+        cls,
+        /,
+        *args: Any,
+        num_blocks: Any = _UNSET,
+        page_bytes: Any = _UNSET,
+        block_stride_bytes: Any = _UNSET,
+        byte_offset: Any = _UNSET,
+        **extra: Any,
+    ) -> Any:
+        if (
+            type(num_blocks) is int
+            and type(page_bytes) is int
+            and type(block_stride_bytes) is int
+            and (type(byte_offset) is int or byte_offset is _UNSET)
+            and cls is BlockLayout
+            and not args
+            and not extra
+        ):
+            key = (num_blocks, page_bytes, block_stride_bytes, byte_offset)
             layout = _INTERNED.get(key)
-        except TypeError:  # an unhashable value: validation will say what is wrong with it
-            return super().__call__(**kwargs)
-        if layout is None:
-            layout = super().__call__(**kwargs)  # raises for what validation refuses
-            if type(layout) is BlockLayout and all(type(value) is int for value in values):
-                if len(_INTERNED) >= _MAX_INTERNED:
-                    del _INTERNED[next(iter(_INTERNED))]
-                _INTERNED[key] = layout
-        return layout
+            if layout is not None:
+                return layout
+            # New values: BlockLayout's rules, as its fields and validator state them; a value
+            # any of them refuses goes on to pydantic below, for pydantic's own error.
+            offset = 0 if byte_offset is _UNSET else byte_offset
+            if (
+                0 <= num_blocks <= INT64_MAX
+                and 0 < page_bytes <= INT64_MAX
+                and 0 < block_stride_bytes <= INT64_MAX
+                and 0 <= offset <= INT64_MAX
+                and (num_blocks < 2 or block_stride_bytes >= page_bytes)
+            ):
+                end = offset + (num_blocks - 1) * block_stride_bytes + page_bytes
+                if not num_blocks:
+                    end = offset
+                if end <= INT64_MAX:
+                    # built as validation builds it: the same fields, derived numbers, set of
+                    # given fields, no extra and no private attributes
+                    layout = _new_layout(BlockLayout)
+                    _set(layout, "__dict__", {
+                        "num_blocks": num_blocks,
+                        "page_bytes": page_bytes,
+                        "block_stride_bytes": block_stride_bytes,
+                        "byte_offset": offset,
+                        "shape": (num_blocks, page_bytes),
+                        "strides": (block_stride_bytes, 1),
+                        "extent_bytes": end,
+                        "element_offset": offset,
+                    })  # fmt: skip
+                    _set(layout, "__pydantic_fields_set__", (
+                        _GIVEN_FOUR if byte_offset is not _UNSET else _GIVEN_THREE
+                    ).copy())  # fmt: skip
+                    _set(layout, "__pydantic_extra__", None)
+                    _set(layout, "__pydantic_private__", None)
+                    # Remembered from its second build on: values built once (a per-layer
+                    # loop) leave no object behind for the cyclic collector to scan again and
+                    # again; values built again (a loop that rebuilds them) are looked up.
+                    if key in _SEEN:
+                        if len(_INTERNED) >= _MAX_INTERNED:
+                            _INTERNED.clear()  # cheaper than evicting one by one: a cache
+                        _INTERNED[key] = layout
+                    else:
+                        if len(_SEEN) >= _MAX_INTERNED:
+                            _SEEN.clear()
+                        _SEEN.add(key)
+                    return layout
+        given = {
+            field: value
+            for field, value in (
+                ("num_blocks", num_blocks),
+                ("page_bytes", page_bytes),
+                ("block_stride_bytes", block_stride_bytes),
+                ("byte_offset", byte_offset),
+            )
+            if value is not _UNSET
+        }
+        return super().__call__(*args, **given, **extra)
 
 
-_INTERNED: dict[tuple[tuple[str, ...], tuple[Any, ...], tuple[type, ...]], Any] = {}
+_INTERNED: dict[tuple[int, int, int, int], Any] = {}
+_SEEN: set[tuple[int, int, int, int]] = set()  # values built once, not remembered yet
+_new_layout = object.__new__
+_set = object.__setattr__
+_GIVEN_THREE = {"num_blocks", "page_bytes", "block_stride_bytes"}
+_GIVEN_FOUR = {*_GIVEN_THREE, "byte_offset"}
 
 
 class BlockLayout(Spec, metaclass=_Interned):
@@ -445,6 +521,46 @@ class Region(Spec):
         return (self.start_byte, self.end_byte)
 
 
+def region_span(value: object, argument: str = "region") -> tuple[int, int]:
+    """``(start_byte, end_byte)`` of a function's region argument: a ``Region``, a 2-sequence
+    or a mapping of its fields. Anything else raises ``ArgumentError`` naming the argument, the
+    value and the rule it breaks (``Region(...)`` itself raises pydantic's ``ValidationError``).
+    """
+    if type(value) is Region:
+        return value.start_byte, value.end_byte
+    try:
+        region = Region.coerce(value)  # type: ignore[arg-type]
+    except ValidationError as error:
+        raise ArgumentError(
+            f"{argument}={value!r} is not a byte range (start_byte, end_byte) with "
+            f"0 <= start_byte <= end_byte <= {INT64_MAX}: {_reason(error)}"
+        ) from None
+    return region.start_byte, region.end_byte
+
+
+def _reason(error: ValidationError) -> str:
+    """pydantic's first complaint, as ``field: message``."""
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def _argument(value: object, what: str, minimum: int) -> int:
+    """An integer argument from ``minimum`` to ``INT64_MAX``, or an ``ArgumentError`` naming
+    it, its value and those limits."""
+    try:
+        number = _index(value)
+    except ValueError:
+        number = None
+    if number is None or not minimum <= number <= INT64_MAX:
+        raise ArgumentError(
+            f"{what} must be an integer from {minimum} to {INT64_MAX}; "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    return number
+
+
 def packed_layouts(
     page_bytes: Mapping[str, int], num_blocks: int, *, byte_offset: int = 0
 ) -> dict[str, BlockLayout]:
@@ -454,16 +570,34 @@ def packed_layouts(
     >>> views = packed_layouts({"k": 4, "v": 4}, num_blocks=3)
     >>> views["v"].byte_offset, views["v"].block_stride_bytes
     (4, 8)
+
+    Arguments of the wrong kind or value (a page of ``-1`` bytes, a ``num_blocks`` of ``True``,
+    a group whose extent passes the int64 limit) raise ``ArgumentError``.
     """
-    block_stride_bytes = sum(page_bytes.values())
-    layouts = {}
-    offset = byte_offset
-    for name, page in page_bytes.items():
-        layouts[name] = BlockLayout(
-            num_blocks=num_blocks,
-            page_bytes=page,
-            block_stride_bytes=block_stride_bytes,
-            byte_offset=offset,
+    if not isinstance(page_bytes, Mapping):
+        raise ArgumentError(
+            "page_bytes must be a mapping of view names to page sizes in bytes "
+            f"({{name: bytes}}); got {type(page_bytes).__name__}"
         )
+    blocks = _argument(num_blocks, "num_blocks", 0)
+    offset = _argument(byte_offset, "byte_offset", 0)
+    pages = {name: _argument(page, f"page_bytes[{name!r}]", 1) for name, page in page_bytes.items()}
+    block_stride_bytes = sum(pages.values())
+    if block_stride_bytes > INT64_MAX:
+        raise ArgumentError(
+            f"page_bytes: the pages sum to {block_stride_bytes} bytes, the block stride, which "
+            f"exceeds the int64 limit {INT64_MAX} by {block_stride_bytes - INT64_MAX}"
+        )
+    layouts = {}
+    for name, page in pages.items():
+        try:
+            layouts[name] = BlockLayout(
+                num_blocks=blocks,
+                page_bytes=page,
+                block_stride_bytes=block_stride_bytes,
+                byte_offset=offset,
+            )
+        except ValidationError as error:
+            raise ArgumentError(f"packed_layouts: view {name!r}: {_reason(error)}") from None
         offset += page
     return layouts

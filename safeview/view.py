@@ -1,8 +1,8 @@
-"""``make_view``: a checked layout becomes an ``as_strided`` view of the target's storage.
+"""``make_view``: a checked layout becomes a view of the target's storage.
 
 The one view it makes is judged by the checker's bounds rule (``safeview.check.bounds``) under
 the policy in force; the layout itself was judged against itself when it was built. torch is
-reached only through ``safeview._torch``.
+reached only through ``safeview._torch.view_of``, told whether the view fits the storage.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safeview import _torch, log
 from safeview.check import bounds
 from safeview.errors import ArgumentError, BoundsError
 from safeview.policy import Policy, PolicyArg, current_policy
-from safeview.spec import BlockLayout, Layout, Region, StridedLayout
+from safeview.spec import BlockLayout, Layout, Region, StridedLayout, region_span
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +25,9 @@ __all__ = ["make_view"]
 _Tensor = _torch.Tensor
 _UNTYPED = _torch.UntypedStorage
 _STRIDED = _torch._STRIDED
+_BY_NAME = {policy.value: policy for policy in Policy}
+_STRICT, _OFF = Policy.STRICT, Policy.OFF
+_debug_enabled = log.stdlib_logger.isEnabledFor  # log.enabled, one call less per view
 
 
 def _geometry(layout: Layout) -> dict[str, object]:
@@ -59,10 +62,25 @@ def make_view(
 
     Raises ``BoundsError`` when a bound is broken under ``strict`` (before torch is called), and
     under ``warn`` when torch then refuses the view too; ``ConfigError`` for an unknown policy;
-    ``ArgumentError`` for a target or layout of the wrong kind.
+    ``ArgumentError`` for a target or layout of the wrong kind, or a region that is not a byte
+    range.
+
+    The storage is never resized, moved or copied: a view that fits it is placed on it with one
+    four-argument ``set_`` (which grows only a storage too small for the view), or ``as_strided``
+    of ``target`` itself; one that does not fit (under ``warn`` or ``off``) is made by
+    ``as_strided``, which torch refuses on cpu and cuda and makes on meta.
     """
-    active = policy if type(policy) is Policy else current_policy(policy)
-    if type(layout) is not BlockLayout and not isinstance(layout, (BlockLayout, StridedLayout)):
+    if type(policy) is Policy:
+        active = policy
+    else:
+        known = _BY_NAME.get(policy) if type(policy) is str else None
+        active = known if known is not None else current_policy(policy)
+    kind = type(layout)
+    if (
+        kind is not BlockLayout
+        and kind is not StridedLayout
+        and not isinstance(layout, (BlockLayout, StridedLayout))
+    ):
         raise ArgumentError(
             f"layout must be a safeview BlockLayout or StridedLayout; got {type(layout).__name__}"
         )
@@ -73,23 +91,22 @@ def make_view(
     else:
         storage = _torch.storage_of(target)
         tensor = target if isinstance(target, _Tensor) else None
-    span = None
-    if region is not None:
-        span = region.as_tuple() if type(region) is Region else Region.coerce(region).as_tuple()
+    span = None if region is None else region_span(region)
 
     extent = layout.extent_bytes
-    if active is not Policy.OFF and (span is not None or extent > storage.nbytes()):
+    nbytes = storage.nbytes()
+    if active is not _OFF and (span is not None or extent > nbytes):
         found = bounds(
             name,
             storage=None,
             byte_offset=layout.byte_offset,
             extent_bytes=extent,
-            storage_nbytes=storage.nbytes(),
+            storage_nbytes=nbytes,
             region=span,
         )
         if found:
-            strict = active is Policy.STRICT
-            device, nbytes = str(storage.device), storage.nbytes()
+            strict = active is _STRICT
+            device = str(storage.device)
             geometry = _geometry(layout)
             for finding in found:
                 log.bounds_violation(
@@ -110,12 +127,20 @@ def make_view(
                     layout=layout,
                 )
 
+    # `fits`: the view needs no byte past the storage's end, so torch may place it in one call
+    # (safeview._torch.view_of); a view that does not fit, under warn or off, never gets there.
     try:
         view = _torch.view_of(
-            tensor, storage, layout.dtype, layout.shape, layout.strides, layout.element_offset
+            tensor,
+            storage,
+            layout.dtype,
+            layout.shape,
+            layout.strides,
+            layout.element_offset,
+            extent <= nbytes,
         )
     except RuntimeError as error:
-        if active is Policy.OFF or extent <= storage.nbytes():
+        if active is _OFF or extent <= nbytes:
             raise
         raise BoundsError(
             bounds(
@@ -123,20 +148,20 @@ def make_view(
                 storage=None,
                 byte_offset=layout.byte_offset,
                 extent_bytes=extent,
-                storage_nbytes=storage.nbytes(),
+                storage_nbytes=nbytes,
             )[0],
-            storage_nbytes=storage.nbytes(),
+            storage_nbytes=nbytes,
             device=str(storage.device),
             policy=active.value,
             layout=layout,
         ) from error
 
-    if log.enabled(logging.DEBUG):
+    if _debug_enabled(logging.DEBUG):
         log.view_created(
             name=name,
             policy=active.value,
             device=str(storage.device),
-            storage_nbytes=storage.nbytes(),
+            storage_nbytes=nbytes,
             geometry=_geometry(layout),
             extent_bytes=extent,
             region=span,

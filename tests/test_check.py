@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +15,14 @@ from hypothesis import strategies as st
 from safeview import ArgumentError, OverlapError
 from safeview.check import StorageRecord, ViewRecord, check_views
 from safeview.kv import block_views, check_tensors
+from safeview.overlap import Pieces, _suspects
+from safeview.plan import Plan
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+import big_plans
+from reference_sweep import reference_findings
 
 
 def _touched(view: ViewRecord) -> set[int]:
@@ -169,3 +181,204 @@ def test_a_dlpack_alias_is_another_storage_over_the_same_memory_and_is_compared(
     report = check_tensors({"a": kv[:512], "b": alias[256:768]}, policy="warn")
     [finding] = report.findings
     assert (finding.kind, finding.views, finding.byte) == ("overlap", ("a", "b"), 256)
+
+
+# -- the faster checker finds exactly what 0.2.0 found (tests/reference_sweep.py) ---------------
+
+FAMILIES = [(16,), (8, 16, 32), (12, 24, 48), (4, 8, 64), (6, 10, 15), (7, 11), (5, 320)]
+
+
+def _random_view(
+    rng: random.Random, name: str, storage: str, family: tuple[int, ...]
+) -> ViewRecord:
+    group = rng.choice([None, None, 0, 0, 1, 2, "x"])
+    region = (rng.randint(0, 40), rng.randint(40, 400)) if rng.random() < 0.1 else None
+    kind = rng.random()
+    if kind < 0.12:  # a typed view, not a block view: split into runs by _arith.blocks
+        itemsize = rng.choice([2, 4])
+        inner = rng.randint(1, 4)
+        return ViewRecord(
+            name, storage, itemsize * rng.randint(0, 60), (rng.randint(0, 4), inner),
+            (rng.randint(inner, inner + 6), 1), itemsize, group, region, "float16",
+        )  # fmt: skip
+    stride = rng.choice(family)
+    if kind < 0.3:  # contiguous: back-to-back pages, or a single one
+        page = rng.randint(1, 60)
+        number = rng.randint(0, 4)
+        stride = page if rng.random() < 0.5 else rng.randint(1, 80)
+    elif kind < 0.35:  # pages wider than the stride: a view that overlaps itself
+        page = stride + rng.randint(1, 5)
+        number = rng.randint(2, 5)
+    else:
+        page = rng.randint(1, stride)
+        number = rng.randint(0, 9)
+    return ViewRecord.block(
+        name, storage, num_blocks=number, page_bytes=page, block_stride_bytes=stride,
+        byte_offset=rng.randint(0, 300), group=group, region=region,
+    )  # fmt: skip
+
+
+def _random_plan(rng: random.Random) -> tuple[dict[str, int | StorageRecord], list[ViewRecord]]:
+    storages: dict[str, int | StorageRecord] = {"kv": rng.randint(0, 600)}
+    if rng.random() < 0.4:  # two more storages over one memory, the second 0..64 bytes in
+        storages["a"] = StorageRecord(rng.randint(0, 600), memory="m", base=1000)
+        storages["b"] = StorageRecord(
+            rng.randint(0, 600), memory="m", base=1000 + rng.randint(0, 64)
+        )
+    family = rng.choice(FAMILIES)
+    views = [
+        _random_view(rng, f"v{i}", rng.choice(list(storages)), family)
+        for i in range(rng.randint(2, 40))
+    ]
+    return storages, views
+
+
+def test_checker_finds_what_0_2_0_found_on_random_plans() -> None:
+    rng = random.Random(20261214)
+    overlapping = 0
+    for _ in range(3_000):
+        storages, views = _random_plan(rng)
+        expected = reference_findings(storages, views)
+        assert list(check_views(storages, views).findings) == expected, (storages, views)
+        overlapping += any(f.kind == "overlap" for f in expected)
+    assert 600 < overlapping < 2_900  # both answers are exercised
+
+
+def test_checker_finds_what_0_2_0_found_on_every_shipped_plan() -> None:
+    paths = sorted((Path(__file__).parent.parent / "examples" / "plans").glob("*.json"))
+    assert len(paths) >= 7
+    plans = [Plan.load(path) for path in paths]
+    for big in (
+        big_plans.packed_plan(3_000),
+        big_plans.mixed_plan(3_000, 100),
+        big_plans.mixed_plan(3_000, 100, broken=True),
+    ):
+        plans.append(Plan.model_validate(big))
+    for plan in plans:
+        expected = reference_findings(plan.sizes(), plan.records())
+        assert list(plan.check().findings) == expected, plan.description
+    # the broken one: a view past the end, two pairs in groups, two contiguous views on one page,
+    # and a contiguous view on bytes 100..4195, which 2 x 2,900 grouped views hold a byte of
+    assert [len(plan.check().findings) for plan in plans[-3:]] == [0, 0, 1 + 2 + 1 + 5_800]
+
+
+def test_findings_match_numpy_on_random_plans_with_groups() -> None:
+    rng = random.Random(20261215)
+    for _ in range(300):
+        family = rng.choice(FAMILIES)
+        views = [_random_view(rng, f"v{i}", "kv", family) for i in range(rng.randint(2, 30))]
+        report = check_views({"kv": 1_000}, views)
+        found = {f.views: f.byte for f in report.findings if f.kind == "overlap"}
+        broken = {f.views[0] for f in report.findings if f.kind == "self_overlap"}
+        masks = {view.name: _mask(view) for view in views if view.name not in broken}
+        for i, first in enumerate(views):
+            for second in views[i + 1 :]:
+                if first.name in broken or second.name in broken:
+                    continue
+                apart = None not in (first.group, second.group) and first.group != second.group
+                both = np.flatnonzero(masks[first.name] & masks[second.name])
+                expected = int(both[0]) if both.size and not apart else None
+                assert found.get((first.name, second.name)) == expected, (first, second)
+
+
+def _mask(view: ViewRecord) -> np.ndarray:
+    """The bytes a view touches, marked by numpy from its own shape and strides."""
+    buffer = bytearray(4_096)
+    shape = (*view.shape, view.itemsize)
+    strides = (*(s * view.itemsize for s in view.strides), 1)
+    if 0 not in shape:
+        np.ndarray(shape, np.uint8, buffer=buffer, offset=view.byte_offset, strides=strides)[
+            ...
+        ] = 1
+    mask: np.ndarray = np.frombuffer(buffer, np.uint8).astype(bool)
+    return mask
+
+
+def test_views_of_two_groups_are_each_judged_with_the_views_of_none() -> None:
+    # group 0 and group 1 lie on the same bytes, [0, 128) (allowed); "loose" has no group and
+    # sits on the last page of both, and "spare" overlaps "loose" only: each pair reported once
+    views = [
+        ViewRecord.block(f"g{g}.{i}", "kv", num_blocks=4, page_bytes=8, block_stride_bytes=32,
+                         byte_offset=8 * i, group=g)
+        for g in (0, 1) for i in range(4)
+    ]  # fmt: skip
+    views.append(ViewRecord.block("loose", "kv", num_blocks=1, page_bytes=16,
+                                  block_stride_bytes=16, byte_offset=120))  # fmt: skip
+    views.append(ViewRecord.block("spare", "kv", num_blocks=1, page_bytes=4, block_stride_bytes=4,
+                                  byte_offset=130))  # fmt: skip
+    found = [(f.views, f.byte) for f in check_views({"kv": 256}, views).findings]
+    assert found == [
+        (("g0.3", "loose"), 120),
+        (("g1.3", "loose"), 120),
+        (("loose", "spare"), 130),
+    ]
+    assert found == [(f.views, f.byte) for f in reference_findings({"kv": 256}, views)]
+
+
+def test_places_within_the_period_that_never_meet_prove_a_plan_clean_whatever_its_blocks() -> None:
+    # one stride, different numbers of blocks and first blocks: 0.2.0's quick exit wanted them
+    # all on the same blocks; the places within the period are enough
+    views = [
+        ViewRecord.block(f"v{i}", "kv", num_blocks=1 + i, page_bytes=10, block_stride_bytes=64,
+                         byte_offset=64 * i + 10 * i)
+        for i in range(6)
+    ]  # fmt: skip
+    pieces = Pieces()
+    for position, view in enumerate(views):
+        pieces.add(view.byte_offset, view.shape[0], view.strides[0], view.shape[1], position)
+    assert _suspects(pieces, range(len(views))) == []
+    assert check_views({"kv": 1_000}, views).ok
+    # a page that runs over the end of its period is placed on two ranges: bytes [124, 140) and
+    # [188, 204), places [60, 64) and [0, 12), meet v1's second page [138, 148) at byte 138
+    spill = ViewRecord.block("spill", "kv", num_blocks=2, page_bytes=16, block_stride_bytes=64,
+                             byte_offset=124)  # fmt: skip
+    [finding] = check_views({"kv": 1_000}, [*views, spill]).findings
+    assert (finding.views, finding.byte) == (("v1", "spill"), 138)
+    assert [finding] == reference_findings({"kv": 1_000}, [*views, spill])
+
+
+def test_a_broken_plan_sweeps_only_the_views_that_may_be_at_fault() -> None:
+    pieces = Pieces()
+    for position in range(1_000):  # byte `position` of each 4,096-byte block
+        pieces.add(position, 8, 4_096, 1, position)
+    pieces.add(500, 2, 4_096, 1, 1_000)  # on view 500's bytes
+    assert _suspects(pieces, range(1_001)) == [500, 1_000]
+    # a contiguous run among the strided bytes is placed within the period too: bytes 990..1005
+    # of block 3 meet views 990..999 there, and nothing else
+    pieces.add(3 * 4_096 + 990, 1, 16, 16, 1_001)
+    assert _suspects(pieces, range(1_002)) == [500, *range(990, 1_000), 1_000, 1_001]
+    # one beyond the strided runs is judged by its span alone
+    pieces.add(8 * 4_096, 1, 4_096, 4_096, 1_002)
+    assert _suspects(pieces, [*range(1_000), 1_002]) == []
+
+
+def test_strides_that_do_not_divide_one_another_cannot_be_placed() -> None:
+    pieces = Pieces()
+    pieces.add(0, 4, 12, 1, 0)
+    pieces.add(1, 4, 8, 1, 1)
+    assert _suspects(pieces, range(2)) is None
+
+
+# -- bad arguments ---------------------------------------------------------------------------
+
+ONE = ViewRecord.block("v", "kv", num_blocks=1, page_bytes=1, block_stride_bytes=1, byte_offset=0)
+
+
+@pytest.mark.parametrize(
+    ("storages", "views", "message"),
+    [
+        (None, [ONE], r"storages must be a mapping .*got NoneType"),
+        ([("kv", 8)], [ONE], r"storages must be a mapping .*got list"),
+        ({"kv": -1}, [ONE], r"storages\['kv'\] must be a size in bytes \(an int >= 0\).*got -1"),
+        ({"kv": 8.0}, [ONE], r"storages\['kv'\] .*got 8\.0 \(float\)"),
+        ({"kv": 8}, None, r"views must be an iterable of ViewRecords; got NoneType"),
+        ({"kv": 8}, [("v", "kv", 0, (1, 1), (1, 1))], r"ViewRecord tuples; got tuple"),
+    ],
+    ids=["none", "list", "negative", "float", "views-none", "plain-tuple"],
+)
+def test_check_views_refuses_arguments_of_the_wrong_kind_naming_them(
+    storages: object, views: object, message: str
+) -> None:
+    for checks in (True, False):
+        with pytest.raises(ArgumentError, match=message):
+            check_views(storages, views, checks=checks)  # type: ignore[arg-type]

@@ -336,3 +336,38 @@ def test_unrelated_strides_stop_at_the_work_limit_naming_the_views(
         if (masks[a] & masks[b]).any()
     }
     assert {o.views for o in find_overlaps(layouts)} == expected  # exact, under the real limit
+
+
+# -- bad arguments: ArgumentError naming the argument and the value ---------------------------
+
+LAYOUT = BlockLayout(num_blocks=2, page_bytes=8, block_stride_bytes=16)
+
+
+@pytest.mark.parametrize(
+    ("layouts", "groups", "message"),
+    [
+        ([LAYOUT], None, r"layouts must be a mapping of view names to layouts .*got list"),
+        ((LAYOUT, LAYOUT), None, r"layouts must be a mapping .*got tuple"),
+        (
+            {"a": 3},
+            None,
+            r"layouts\['a'\] must be a safeview BlockLayout or Strided.*; got int",
+        ),
+        (
+            {"a": LAYOUT},
+            ["a"],
+            r"groups must be a mapping of view names to groups.*got list",
+        ),
+        (
+            {"a": LAYOUT},
+            {"a": [0]},
+            r"groups\['a'\] must be a hashable .*got \[0\] \(list\)",
+        ),
+    ],
+    ids=["list", "tuple", "not-a-layout", "groups-list", "unhashable-group"],
+)
+def test_find_overlaps_refuses_arguments_of_the_wrong_kind_naming_them(
+    layouts: object, groups: object, message: str
+) -> None:
+    with pytest.raises(ArgumentError, match=message):
+        find_overlaps(layouts, groups=groups)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from torch._prims_common import compute_required_storage_length
 
-from safeview import BlockLayout, Region, StridedLayout, packed_layouts
+from safeview import ArgumentError, BlockLayout, Region, StridedLayout, packed_layouts
 from safeview._arith import INT64_MAX, self_overlap
 from safeview.spec import DTYPE_ITEMSIZE
 
@@ -294,10 +294,20 @@ def test_nbytes_counts_the_elements_held_not_the_span() -> None:
     assert block.extent_bytes == 2 * 64 + 16
 
 
-def test_a_layout_built_again_with_the_same_ints_is_the_same_frozen_instance() -> None:
+def test_a_layout_built_again_with_the_same_ints_is_remembered_and_handed_back() -> None:
+    from safeview import spec
+
+    spec._INTERNED.clear()
+    spec._SEEN.clear()
     first = BlockLayout(num_blocks=7, page_bytes=64, block_stride_bytes=128, byte_offset=64)
+    assert spec._INTERNED == {}  # built once: nothing kept for the collector to scan
     again = BlockLayout(num_blocks=7, page_bytes=64, block_stride_bytes=128, byte_offset=64)
-    assert again is first
+    assert again == first
+    for _ in range(3):  # from then on, the same frozen instance
+        assert (
+            BlockLayout(num_blocks=7, page_bytes=64, block_stride_bytes=128, byte_offset=64)
+            is again
+        )
     other_order = BlockLayout(byte_offset=64, block_stride_bytes=128, page_bytes=64, num_blocks=7)
     assert other_order == first
 
@@ -321,5 +331,124 @@ def test_the_interned_layouts_are_bounded() -> None:
     from safeview import spec
 
     for offset in range(spec._MAX_INTERNED + 10):
-        BlockLayout(num_blocks=1, page_bytes=1, block_stride_bytes=1, byte_offset=offset)
-    assert len(spec._INTERNED) == spec._MAX_INTERNED
+        for _ in range(2):  # built twice: remembered
+            BlockLayout(num_blocks=1, page_bytes=1, block_stride_bytes=1, byte_offset=offset)
+    assert 0 < len(spec._INTERNED) <= spec._MAX_INTERNED
+    assert 0 < len(spec._SEEN) <= spec._MAX_INTERNED
+
+
+# -- BlockLayout built from plain ints without pydantic's machinery: the same layout or error ---
+
+EDGES = st.sampled_from(
+    [-1, 0, 1, 2, 7, 8, 64, INT64_MAX // 2, INT64_MAX - 1, INT64_MAX, INT64_MAX + 1]
+)
+VALUES = st.integers(-3, 80) | EDGES
+
+
+@given(
+    num_blocks=VALUES,
+    page_bytes=VALUES,
+    block_stride_bytes=VALUES,
+    byte_offset=st.none() | VALUES,
+)
+def test_a_layout_of_plain_ints_is_what_validation_makes_or_fails_as_it_does(
+    num_blocks: int, page_bytes: int, block_stride_bytes: int, byte_offset: int | None
+) -> None:
+    fields = {"num_blocks": num_blocks, "page_bytes": page_bytes,
+              "block_stride_bytes": block_stride_bytes}  # fmt: skip
+    if byte_offset is not None:
+        fields["byte_offset"] = byte_offset
+    try:
+        validated = BlockLayout.model_validate(fields)  # pydantic's own path, never interned
+    except ValidationError as refused:
+        with pytest.raises(ValidationError) as error:
+            BlockLayout(**fields)
+        assert error.value.errors(include_context=False) == refused.errors(include_context=False)
+        return
+    for built in (BlockLayout(**fields), BlockLayout(**fields)):  # new, then remembered
+        assert type(built) is BlockLayout
+        assert list(built.__dict__.items()) == list(validated.__dict__.items())
+        assert built.model_fields_set == validated.model_fields_set
+        assert built.__pydantic_extra__ == validated.__pydantic_extra__
+        assert built.__pydantic_private__ == validated.__pydantic_private__
+        assert built.model_dump(exclude_unset=True) == validated.model_dump(exclude_unset=True)
+        assert built == validated
+        assert hash(built) == hash(validated)
+
+
+def test_new_values_are_checked_by_every_rule_of_the_fields_and_the_validator() -> None:
+    from safeview import spec
+
+    spec._INTERNED.clear()
+    # each refused on a value never built before, so no remembered layout can answer
+    for fields, field in (
+        ({"num_blocks": -1, "page_bytes": 9, "block_stride_bytes": 9}, "num_blocks"),
+        ({"num_blocks": 1, "page_bytes": 0, "block_stride_bytes": 9}, "page_bytes"),
+        ({"num_blocks": 1, "page_bytes": 9, "block_stride_bytes": 0}, "block_stride_bytes"),
+        (
+            {"num_blocks": 1, "page_bytes": 9, "block_stride_bytes": 9, "byte_offset": -9},
+            "byte_offset",
+        ),
+        ({"num_blocks": 3, "page_bytes": 9, "block_stride_bytes": 8}, "block_stride_bytes"),
+        ({"num_blocks": 2, "page_bytes": 9, "block_stride_bytes": INT64_MAX}, "extent_bytes"),
+        ({"num_blocks": 1, "page_bytes": 9, "block_stride_bytes": 9, "pages": 1}, "pages"),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            BlockLayout(**fields)
+    assert spec._INTERNED == {}  # nothing refused was remembered
+
+
+def test_a_layout_given_no_byte_offset_is_not_the_one_given_zero() -> None:
+    implicit = BlockLayout(num_blocks=2, page_bytes=8, block_stride_bytes=8)
+    explicit = BlockLayout(num_blocks=2, page_bytes=8, block_stride_bytes=8, byte_offset=0)
+    assert implicit == explicit
+    assert implicit.model_fields_set == {"num_blocks", "page_bytes", "block_stride_bytes"}
+    assert "byte_offset" in explicit.model_fields_set
+
+
+# -- packed_layouts: bad arguments are ArgumentErrors naming the argument, value and limit -----
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: packed_layouts({"k": -1}, 2),
+            r"page_bytes\['k'\] must be an integer from 1 to 9223372036854775807; got -1",
+        ),
+        (lambda: packed_layouts({"k": 0}, 2), r"page_bytes\['k'\] .* from 1 .*; got 0"),
+        (
+            lambda: packed_layouts({"k": "8"}, 2),  # type: ignore[dict-item]
+            r"page_bytes\['k'\] .*; got '8' \(str\)",
+        ),
+        (lambda: packed_layouts({"k": 8}, -1), r"num_blocks must be an integer from 0 .*; got -1"),
+        (lambda: packed_layouts({"k": 8}, True), r"num_blocks .*; got True \(bool\)"),
+        (
+            lambda: packed_layouts({"k": 8}, 2, byte_offset=2.0),  # type: ignore[arg-type]
+            r"byte_offset .*; got 2\.0 \(float\)",
+        ),
+        (
+            lambda: packed_layouts([8, 8], 2),  # type: ignore[arg-type]
+            r"page_bytes must be a mapping .*; got list",
+        ),
+        (
+            lambda: packed_layouts({"k": INT64_MAX, "v": 1}, 2),
+            r"the pages sum to 9223372036854775808 bytes",
+        ),
+        (
+            lambda: packed_layouts({"k": 2**40}, 2**30),
+            r"view 'k': extent_bytes = .* exceeds the int64 limit",
+        ),
+    ],
+    ids=["negative", "zero", "str", "blocks", "bool", "float", "list", "stride", "extent"],
+)
+def test_packed_layouts_refuses_bad_arguments_naming_them(call: Any, message: str) -> None:
+    with pytest.raises(ArgumentError, match=message):
+        call()
+
+
+def test_packed_layouts_takes_integer_scalars() -> None:
+    pages: dict[str, Any] = {"k": np.int64(4), "v": torch.tensor(4)}
+    layouts = packed_layouts(pages, np.int32(3))
+    assert [layout.byte_offset for layout in layouts.values()] == [0, 4]
+    assert layouts["v"].block_stride_bytes == 8

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from numpy.lib.array_utils import byte_bounds
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import safeview
 from safeview import (
@@ -18,6 +20,7 @@ from safeview import (
     BlockLayout,
     BoundsError,
     Policy,
+    Region,
     StridedLayout,
     make_view,
     packed_layouts,
@@ -277,14 +280,15 @@ def test_glm_one_block_too_many_is_caught_where_meta_torch_says_nothing() -> Non
     assert error.extent_bytes == GLM_STORAGE + GLM_BLOCK_STRIDE
     assert error.layout == layout
     assert (
-        f"view '{name}' needs bytes [{layout.byte_offset}, {GLM_STORAGE + GLM_BLOCK_STRIDE}) but "
-        f"the storage has {GLM_STORAGE} bytes ({GLM_BLOCK_STRIDE} bytes past the end)"
+        f"view '{name}' needs bytes [{layout.byte_offset:,}, {GLM_STORAGE + GLM_BLOCK_STRIDE:,}) "
+        f"but the storage has {GLM_STORAGE:,} bytes ({GLM_BLOCK_STRIDE:,} bytes past the end)"
     ) in str(error)
 
 
 # -- the set_ hazard -------------------------------------------------------------------------
 
 TOO_LONG = BlockLayout(num_blocks=5, page_bytes=16, block_stride_bytes=16, byte_offset=0)
+EMPTY_PAST = BlockLayout(num_blocks=0, page_bytes=8, block_stride_bytes=8, byte_offset=10**12)
 
 
 def test_four_argument_set_reallocates_the_storage_that_safeview_leaves_alone() -> None:
@@ -321,6 +325,175 @@ def test_meta_storage_never_grows_under_any_policy(policy: Policy) -> None:
         view = make_view(kv, TOO_LONG, policy=policy)
         assert view.shape == (5, 16)
     assert kv.untyped_storage().nbytes() == 64
+
+
+# -- the one placing set_: make_view's four-argument set_, once a view is proven to fit ---------
+#
+# make_view makes a view over a bare storage, or over a tensor of another dtype, with
+# `torch.empty(0).set_(storage, offset, shape, strides)` when its extent is at most the
+# storage's size (safeview._torch.view_of). torch grows a storage only for a view that needs
+# more bytes than it has; these tests pin that, on cpu and meta, under every policy.
+
+
+class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignore]
+    """Records every aten op of this thread and runs it unchanged (the real dispatcher)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call,unused-ignore]
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+PLACING_SET = "aten.set_.source_Storage_storage_offset"
+
+
+def _state(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """What must not change: the storage object (its StorageImpl), its size and its address."""
+    storage = tensor.untyped_storage()
+    return storage._cdata, storage.nbytes(), storage.data_ptr()
+
+
+@st.composite
+def any_layouts(draw: st.DrawFn) -> BlockLayout | StridedLayout:
+    if draw(st.booleans()):
+        return draw(block_layouts())
+    dtype = draw(st.sampled_from(["int8", "float16", "float32", "complex64"]))
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)))
+    strides = tuple(draw(st.integers(0, 12)) for _ in shape)
+    assume(self_overlap(shape, strides) is None)
+    return StridedLayout(
+        shape=shape, strides=strides, byte_offset=itemsize * draw(st.integers(0, 40)), dtype=dtype
+    )
+
+
+@settings(max_examples=400)
+@given(
+    layout=any_layouts(),
+    slack=st.sampled_from([-1, 0, 0, 1, 7]),  # bytes of storage beyond the view's extent
+    device=st.sampled_from(["cpu", "meta"]),
+    target=st.sampled_from(["storage", "int8", "float16", "negative"]),
+    policy=st.sampled_from(list(Policy)),
+)
+def test_making_a_view_never_resizes_moves_or_swaps_the_storage_or_its_other_tensors(
+    layout: BlockLayout | StridedLayout, slack: int, device: str, target: str, policy: Policy
+) -> None:
+    nbytes = max(0, layout.extent_bytes + slack)
+    nbytes += -nbytes % 4  # whole float16 / float32 elements for the typed targets
+    kv = torch.zeros(nbytes, dtype=torch.int8, device=device)
+    if device == "cpu":
+        kv.copy_(_patterned(nbytes))
+    storage = kv.untyped_storage()
+    others = [kv[nbytes // 2 :], kv.view(torch.int16)[: nbytes // 4]]  # sharing the storage
+    before = [_state(tensor) for tensor in (kv, *others)]
+    contents = kv.clone()
+    given_target: torch.Tensor | torch.UntypedStorage = storage
+    if target == "int8":
+        given_target = kv
+    elif target == "float16":
+        given_target = kv.view(torch.float16)
+    elif target == "negative":
+        given_target = kv.view(torch.float16)._neg_view()
+    fits = layout.extent_bytes <= nbytes
+    with _OpLog() as seen:
+        try:
+            view = make_view(given_target, layout, policy=policy)
+        except (BoundsError, RuntimeError):
+            assert not fits  # only a view that does not fit is ever refused
+            view = None
+    assert [_state(tensor) for tensor in (kv, *others)] == before
+    if device == "cpu":
+        assert torch.equal(kv, contents)
+    if not fits:
+        assert PLACING_SET not in seen.ops  # never reached by a view that does not fit
+    if view is not None:
+        assert view.untyped_storage()._cdata == storage._cdata
+        assert view.dtype == getattr(torch, layout.dtype)
+        assert (tuple(view.shape), view.stride()) == (layout.shape, layout.strides)
+        assert view.storage_offset() == layout.element_offset
+        assert not view.is_neg()
+        assert not view.is_conj()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("policy", list(Policy))
+@pytest.mark.parametrize(
+    ("layout", "nbytes"),
+    [
+        (BlockLayout(num_blocks=4, page_bytes=16, block_stride_bytes=16), 64),  # exactly fits
+        (BlockLayout(num_blocks=2, page_bytes=8, block_stride_bytes=32, byte_offset=24), 64),
+        (BlockLayout(num_blocks=0, page_bytes=16, block_stride_bytes=16, byte_offset=64), 64),
+        (BlockLayout(num_blocks=0, page_bytes=16, block_stride_bytes=16), 0),  # empty storage
+        (StridedLayout(shape=(16, 0), strides=(16, 1), byte_offset=64), 64),  # zero-size at end
+        (StridedLayout(shape=(3, 8), strides=(8, 1), byte_offset=16, dtype="float16"), 64),
+    ],
+    ids=["exact", "gapped-exact", "empty-at-end", "empty-storage", "zero-size", "float16-exact"],
+)
+def test_a_view_that_fits_is_placed_by_one_set_and_the_storage_stays_as_it_was(
+    layout: BlockLayout | StridedLayout, nbytes: int, policy: Policy, device: str
+) -> None:
+    kv = torch.zeros(nbytes, dtype=torch.int8, device=device)
+    earlier = make_view(kv.untyped_storage(), layout, policy=policy)  # another tensor over it
+    state = _state(kv)
+    with _OpLog() as seen:
+        view = make_view(kv.untyped_storage(), layout, policy=policy)
+    assert seen.ops == ["aten.empty.memory_format", PLACING_SET]  # one placement, no resize
+    assert _state(kv) == state
+    assert _state(earlier) == state
+    assert view.untyped_storage()._cdata == kv.untyped_storage()._cdata
+    assert (tuple(view.shape), view.stride(), view.storage_offset()) == (
+        layout.shape, layout.strides, layout.element_offset,
+    )  # fmt: skip
+    if device == "cpu" and view.numel():
+        view.fill_(7)  # the view writes into the cache's own bytes
+        first = kv[layout.byte_offset : layout.byte_offset + view.element_size()]
+        assert first.view(view.dtype).item() == 7
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("policy", [Policy.WARN, Policy.OFF])
+@pytest.mark.parametrize(
+    ("layout", "nbytes"),
+    [
+        (TOO_LONG, 64),  # one page past the end
+        (TOO_LONG, 79),  # one byte past the end
+        (EMPTY_PAST, 64),  # an empty view far past the end
+        (StridedLayout(shape=(16, 0), strides=(16, 1), byte_offset=10**12), 64),
+    ],
+    ids=["page-past", "byte-past", "empty-past", "zero-size-past"],
+)
+def test_a_view_that_does_not_fit_never_reaches_the_placing_set(
+    layout: BlockLayout | StridedLayout, nbytes: int, policy: Policy, device: str
+) -> None:
+    kv = torch.zeros(nbytes, dtype=torch.int8, device=device)
+    state = _state(kv)
+    with _OpLog() as seen:
+        try:
+            make_view(kv.untyped_storage(), layout, policy=policy)
+        except (BoundsError, RuntimeError):
+            assert (device, bool(layout.nbytes)) == ("cpu", True)  # torch's refusal, on cpu
+    assert PLACING_SET not in seen.ops
+    assert "aten.as_strided.default" in seen.ops
+    assert _state(kv) == state
+
+
+def test_torch_grows_a_storage_with_that_set_only_for_a_view_that_does_not_fit() -> None:
+    # The fact the placing set_ rests on, checked on this torch: a view that fits (exactly, or
+    # empty anywhere) leaves the storage alone; one byte more grows it.
+    for device in ("cpu", "meta"):
+        for offset, shape, grows in (
+            (0, (4, 16), False), (48, (1, 16), False), (64, (0, 16), False),
+            (10**12, (0, 16), False), (10**12, (16, 0), False), (1, (4, 16), True),
+        ):  # fmt: skip
+            kv = torch.zeros(64, dtype=torch.int8, device=device)
+            state = _state(kv)
+            torch.empty(0, dtype=torch.int8, device=device).set_(
+                kv.untyped_storage(), offset, shape, (16, 1)
+            )
+            assert (_state(kv) != state) == grows, (device, offset, shape)
 
 
 # -- the policy table ------------------------------------------------------------------------
@@ -429,12 +602,9 @@ def test_region_that_holds_the_view_passes() -> None:
     assert make_view(kv, INSIDE, region=(16, 40)).shape == (2, 8)
 
 
-EMPTY_PAST = BlockLayout(num_blocks=0, page_bytes=8, block_stride_bytes=8, byte_offset=10**12)
-
-
 def test_empty_view_past_the_storage_under_each_policy(events: list[dict[str, object]]) -> None:
     kv = torch.zeros(64, dtype=torch.int8)
-    with pytest.raises(BoundsError, match="empty view 'e' starts at byte 1000000000000"):
+    with pytest.raises(BoundsError, match="empty view 'e' starts at byte 1,000,000,000,000"):
         make_view(kv, EMPTY_PAST, name="e", policy="strict")
     assert make_view(kv, EMPTY_PAST, name="e", policy="warn").shape == (0, 8)
     assert make_view(kv, EMPTY_PAST, name="e", policy="off").shape == (0, 8)
@@ -478,26 +648,83 @@ def test_wrong_layout_types_are_refused(layout: object) -> None:
         make_view(torch.zeros(8, dtype=torch.int8), layout)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("region", "message"),
+    [
+        ((5, 1), r"region=\(5, 1\) .*: end_byte=1 is before start_byte=5"),
+        ((-1, 4), r"region=\(-1, 4\) .*start_byte: Input should be greater than or equal to 0"),
+        ((0, 2**63), r"end_byte: Input should be less than or equal to 9223372036854775807"),
+        ((1, 2, 3), r"region=\(1, 2, 3\) .*a region is \(start_byte, end_byte\); got 3 values"),
+        ((True, 8), r"region=\(True, 8\) .*start_byte"),
+        (7, r"region=7 is not a byte range"),
+        ("ab", r"region='ab' is not a byte range"),
+    ],
+    ids=["reversed", "negative", "past-int64", "three", "bool", "int", "str"],
+)
+def test_a_region_that_is_not_a_byte_range_is_an_argument_error(
+    region: object, message: str
+) -> None:
+    kv = torch.zeros(64, dtype=torch.int8)
+    for policy in Policy:  # refused as an argument, whatever the policy
+        with pytest.raises(ArgumentError, match=message):
+            make_view(kv, INSIDE, region=region, policy=policy)  # type: ignore[arg-type]
+
+
+def test_a_region_may_be_a_region_a_pair_or_a_mapping_of_its_fields() -> None:
+    kv = torch.zeros(64, dtype=torch.int8)
+    for region in (Region(start_byte=16, end_byte=48), (16, 48), [16, 48],
+                   {"start_byte": 16, "end_byte": 48}):  # fmt: skip
+        assert make_view(kv, INSIDE, region=region).shape == (2, 8)  # type: ignore[arg-type]
+
+
 def test_unknown_policy_argument_is_a_config_error() -> None:
     with pytest.raises(safeview.ConfigError, match="policy='lenient' is not a valid value"):
         make_view(torch.zeros(64, dtype=torch.int8), INSIDE, policy="lenient")  # type: ignore[arg-type]
 
 
-def test_no_module_of_safeview_calls_the_resizing_set_() -> None:
+# Where safeview may call the four-argument set_, which grows a storage too small for the view,
+# and why that never happens there.
+PLACING_SET_SITES = {
+    # make_view's view, only under `if fits:`, the extent proven to be at most the storage size
+    ("_torch.py", "view_of"),
+    # the guard's meta stand-ins of an op's arguments, on meta storages it has just made
+    ("_torch.py", "_meta_like"),
+}
+
+
+def test_the_four_argument_set_is_called_only_where_the_view_is_proven_to_fit() -> None:
     import ast
     from pathlib import Path
 
-    calls = []
+    sites = []
     for path in Path(safeview.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "set_"
-            ):
-                calls.append((path.name, len(node.args) + len(node.keywords)))
-    assert calls, "the one-argument set_ is expected in the torch boundary"
-    assert all(count == 1 for _, count in calls), calls
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "set_"
+                    and len(node.args) + len(node.keywords) > 1
+                ):
+                    sites.append((path.name, function.name, node))
+    assert {(file, function) for file, function, _ in sites} == PLACING_SET_SITES
+    # in view_of, the one call is what `if fits:` returns
+    [(_, _, call)] = [site for site in sites if site[1] == "view_of"]
+    view_of = next(
+        node
+        for node in ast.walk(ast.parse(Path(safeview._torch.__file__).read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "view_of"
+    )
+    guards = [
+        node
+        for node in ast.walk(view_of)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "fits"
+    ]
+    returned = [guard.body[0].value for guard in guards if isinstance(guard.body[0], ast.Return)]
+    assert [ast.dump(node) for node in returned if node is not None] == [ast.dump(call)]
 
 
 def test_a_conjugate_or_negative_view_target_does_not_change_the_bytes_read() -> None:

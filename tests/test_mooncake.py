@@ -1,0 +1,267 @@
+"""The Mooncake guard against the real engine: two transfer engines over TCP on 127.0.0.1, with
+the ``P2PHANDSHAKE`` metadata mode, in this process, transferring for real.
+
+Without Mooncake installed (``mooncake-transfer-engine-non-cuda``, which needs Debian's
+``libibverbs1``) the tests skip, saying so; with ``SAFEVIEW_REQUIRE_ENGINES=1`` (as CI sets it)
+a missing engine is a failure instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import safeview
+from safeview import AddressError
+from safeview import mooncake as guard_module
+from safeview.kv import block_views
+from safeview.testing import capture_events
+from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
+
+if os.environ.get("SAFEVIEW_REQUIRE_ENGINES") == "1":
+    from mooncake.engine import TransferEngine  # an ImportError fails the run, as in CI
+else:
+    engine_module = pytest.importorskip(
+        "mooncake.engine",
+        reason="Mooncake is not installed here (pip install mooncake-transfer-engine-non-cuda; "
+        "apt-get install libibverbs1)",
+    )
+    TransferEngine = engine_module.TransferEngine
+
+PAGE = 256
+BLOCKS = 8
+LAYERS = 2
+
+
+class Pair:
+    """Two engines, a KV cache of two contiguous layers on the first, a destination on the
+    second, and the guard of the first."""
+
+    def __init__(self) -> None:
+        self.local, self.remote = TransferEngine(), TransferEngine()
+        for engine in (self.local, self.remote):
+            assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        self.kv = (torch.arange(LAYERS * BLOCKS * PAGE) % 251 + 1).to(torch.int8)
+        layer_bytes = BLOCKS * PAGE
+        caches = {
+            f"layers.{n}": self.kv[n * layer_bytes : (n + 1) * layer_bytes].view(BLOCKS, PAGE)
+            for n in range(LAYERS)
+        }
+        self.registration = block_views(caches, dict.fromkeys(caches, PAGE), num_blocks=BLOCKS)
+        self.destination = torch.zeros(LAYERS * BLOCKS * PAGE, dtype=torch.int8)
+        self.base, self.target = self.kv.data_ptr(), self.destination.data_ptr()
+        self.guarded = guard_module.guard(self.local, self.registration)
+        assert self.guarded.register_memory(self.base, self.kv.numel()) == 0
+        assert self.remote.register_memory(self.target, self.destination.numel()) == 0
+        self.peer = f"127.0.0.1:{self.remote.get_rpc_port()}"
+
+    def moved(self) -> list[int]:
+        """The first and last byte of the destination that is no longer zero."""
+        changed = torch.nonzero(self.destination).flatten().tolist()
+        return [changed[0], changed[-1]] if changed else []
+
+
+@pytest.fixture(scope="module")
+def engines() -> Pair:
+    return Pair()
+
+
+@pytest.fixture
+def pair(engines: Pair) -> Iterator[Pair]:
+    engines.destination.zero_()
+    yield engines
+    engines.destination.zero_()
+
+
+def test_the_guard_is_a_proxy_that_passes_every_other_call_on(pair: Pair) -> None:
+    assert isinstance(pair.guarded, guard_module.GuardedEngine)
+    assert pair.guarded.engine is pair.local
+    assert pair.guarded.get_rpc_port() == pair.local.get_rpc_port()
+
+
+def test_a_clean_write_moves_the_bytes(pair: Pair) -> None:
+    with capture_events() as events:
+        status = pair.guarded.transfer_sync_write(
+            pair.peer, pair.base + PAGE, pair.target + PAGE, PAGE
+        )
+    assert status == 0
+    assert pair.moved() == [PAGE, 2 * PAGE - 1]
+    assert pair.destination[PAGE : 2 * PAGE].tolist() == pair.kv[PAGE : 2 * PAGE].tolist()
+    assert [e for e in events if e["event"] == "address_violation"] == []
+
+
+def test_a_clean_batch_of_whole_pages_moves_the_bytes(pair: Pair) -> None:
+    buffers = [pair.base, pair.base + BLOCKS * PAGE + 3 * PAGE]
+    peers = [pair.target, pair.target + PAGE]
+    assert pair.guarded.batch_transfer_sync_write(pair.peer, buffers, peers, [PAGE, PAGE]) == 0
+    assert pair.moved() == [0, 2 * PAGE - 1]
+
+
+def test_a_clean_read_of_a_run_of_pages_moves_the_bytes(pair: Pair) -> None:
+    pair.destination.copy_(pair.kv)  # the peer holds the cache; we read pages back into ours
+    pair.kv[: 2 * PAGE] = 0
+    status = pair.guarded.transfer_sync_read(pair.peer, pair.base, pair.target, 2 * PAGE)
+    assert status == 0
+    assert pair.kv[: 2 * PAGE].tolist() == pair.destination[: 2 * PAGE].tolist()
+
+
+@pytest.mark.parametrize(
+    ("rows", "kind", "words"),
+    [
+        ([(PAGE // 2, PAGE)], "outside_view", "pages 0 and 1 of view 'layers.0'"),
+        (
+            [(BLOCKS * PAGE - PAGE // 2, PAGE)],
+            "outside_view",
+            "view 'layers.0' (page 7) and view 'layers.1' (page 0)",
+        ),
+        ([(BLOCKS * PAGE, 200)], "partial_page", "200 of the 256 bytes of page 0"),
+        ([(0, PAGE), (PAGE // 2, PAGE)], "outside_view", "pages 0 and 1 of view 'layers.0'"),
+    ],
+    ids=["across_two_pages", "on_another_layer", "short_of_a_page", "kernel_block_stride"],
+)
+def test_strict_refuses_a_wrong_local_row_before_the_engine_sees_it(
+    pair: Pair, rows: list[tuple[int, int]], kind: str, words: str
+) -> None:
+    buffers = [pair.base + offset for offset, _ in rows]
+    lengths = [length for _, length in rows]
+    peers = [pair.target + n * 2 * PAGE for n in range(len(rows))]
+    with pytest.raises(AddressError) as caught:
+        pair.guarded.batch_transfer_sync_write(pair.peer, buffers, peers, lengths)
+    assert caught.value.kind == kind
+    assert words in str(caught.value)
+    assert caught.value.source == "mooncake.batch_transfer_sync_write"
+    assert pair.moved() == []  # the destination is unchanged
+
+
+def test_under_warn_the_transfer_goes_ahead_with_the_event(pair: Pair) -> None:
+    with safeview.policy_scope("warn"), capture_events() as events:
+        status = pair.guarded.transfer_sync_write(
+            pair.peer, pair.base + PAGE // 2, pair.target, PAGE
+        )
+    assert status == 0
+    assert pair.moved() == [0, PAGE - 1]  # the straddling bytes arrived
+    [event] = [e for e in events if e["event"] == "address_violation"]
+    assert event["level"] == "warning"
+    assert event["kind"] == "outside_view"
+    assert event["source"] == "mooncake.transfer_sync_write"
+    assert event["address"] == pair.base + PAGE // 2
+
+
+def test_a_read_into_local_memory_outside_the_registration_is_refused(pair: Pair) -> None:
+    outside = torch.ones(PAGE, dtype=torch.int8)
+    with pytest.raises(AddressError) as caught:
+        pair.guarded.transfer_sync_read(pair.peer, outside.data_ptr(), pair.target, PAGE)
+    assert caught.value.kind == "outside_memory"
+    assert outside.tolist() == [1] * PAGE
+
+
+def test_mooncake_itself_reads_into_unregistered_local_memory(pair: Pair) -> None:
+    # measured on 0.3.13: over TCP only the peer's address is looked up
+    outside = torch.ones(PAGE, dtype=torch.int8)
+    pair.destination[:PAGE] = 7
+    assert pair.local.transfer_sync_read(pair.peer, outside.data_ptr(), pair.target, PAGE) == 0
+    assert outside.tolist() == [7] * PAGE
+
+
+def test_mooncake_itself_refuses_a_peer_address_past_its_registration(pair: Pair) -> None:
+    end = pair.target + pair.destination.numel()
+    assert pair.local.transfer_sync_write(pair.peer, pair.base, end - PAGE + 1, PAGE) != 0
+
+
+def test_peer_rows_of_one_batch_that_share_a_byte_are_refused(pair: Pair) -> None:
+    buffers = [pair.base, pair.base + PAGE]
+    peers = [pair.target, pair.target + PAGE // 2]
+    with pytest.raises(AddressError) as caught:
+        pair.guarded.batch_transfer_sync_write(pair.peer, buffers, peers, [PAGE, PAGE])
+    assert caught.value.kind == "overlapping_writes"
+    assert caught.value.source == "mooncake.batch_transfer_sync_write (peer addresses)"
+    assert pair.moved() == []
+
+
+def test_local_rows_of_one_batch_read_that_share_a_byte_are_refused(pair: Pair) -> None:
+    buffers = [pair.base, pair.base]
+    with pytest.raises(AddressError) as caught:
+        pair.guarded.batch_transfer_sync_read(
+            pair.peer, buffers, [pair.target, pair.target + PAGE], [PAGE, PAGE]
+        )
+    assert caught.value.kind == "overlapping_writes"
+    assert caught.value.finding.rows == (0, 1)
+    assert caught.value.layers == ("layers.0",)
+
+
+def test_mooncake_itself_writes_two_peer_rows_on_the_same_bytes(pair: Pair) -> None:
+    buffers = [pair.base, pair.base + PAGE]
+    peers = [pair.target, pair.target + PAGE // 2]
+    assert pair.local.batch_transfer_sync_write(pair.peer, buffers, peers, [PAGE, PAGE]) == 0
+    assert pair.moved() == [0, PAGE + PAGE // 2 - 1]
+
+
+def test_under_warn_a_row_short_of_a_page_goes_ahead_with_the_event(pair: Pair) -> None:
+    with safeview.policy_scope("warn"), capture_events() as events:
+        status = pair.guarded.transfer_sync_write(pair.peer, pair.base, pair.target, 200)
+    assert status == 0
+    assert pair.moved() == [0, 199]
+    [event] = [e for e in events if e["event"] == "address_violation"]
+    assert event["kind"] == "partial_page"
+
+
+def test_a_second_overlapping_registration_is_refused(pair: Pair) -> None:
+    with pytest.raises(AddressError) as caught:
+        pair.guarded.register_memory(pair.base + 100, 200)
+    assert caught.value.kind == "duplicate_registration"
+    with pytest.raises(AddressError):
+        pair.guarded.batch_register_memory([pair.base + 8], [8])
+    # Mooncake refuses this one itself (-7: "does not support overlapped memory region")
+    assert pair.local.register_memory(pair.base + 100, 200) != 0
+
+
+def test_a_region_registered_and_unregistered_through_the_guard_is_forgotten(pair: Pair) -> None:
+    spare = torch.zeros(PAGE, dtype=torch.int8)
+    assert pair.guarded.register_memory(spare.data_ptr(), PAGE) == 0
+    assert pair.guarded.unregister_memory(spare.data_ptr()) == 0
+    assert pair.guarded.register_memory(spare.data_ptr(), PAGE) == 0
+    assert pair.guarded.unregister_memory(spare.data_ptr()) == 0
+
+
+def test_off_checks_nothing(pair: Pair) -> None:
+    with safeview.policy_scope("off"), capture_events() as events:
+        status = pair.guarded.transfer_sync_write(pair.peer, pair.base + 1, pair.target, PAGE)
+    assert status == 0
+    assert pair.moved() == [0, PAGE - 1]
+    assert events == []
+
+
+def test_submit_and_async_variants_are_checked(pair: Pair) -> None:
+    with pytest.raises(AddressError):
+        pair.guarded.transfer_submit_write(pair.peer, pair.base + 1, pair.target, PAGE)
+    with pytest.raises(AddressError):
+        pair.guarded.batch_transfer_async_write(pair.peer, [pair.base + 1], [pair.target], [PAGE])
+    with pytest.raises(AddressError):
+        pair.guarded.batch_transfer_async_read(pair.peer, [pair.base + 1], [pair.target], [PAGE])
+    opcode = TransferEngine.TransferOpcode.Read
+    with pytest.raises(AddressError) as caught:
+        pair.guarded.batch_transfer_sync(
+            pair.peer, [pair.base, pair.base], [pair.target, pair.target + PAGE], [PAGE, PAGE],
+            opcode,
+        )  # fmt: skip
+    assert caught.value.kind == "overlapping_writes"
+    assert pair.moved() == []
+
+
+def test_an_engine_with_another_api_is_returned_as_it_is_with_one_event() -> None:
+    class OtherEngine:
+        def transfer(self, *args: Any) -> int:
+            return 0
+
+    memory = MemoryMap((StorageSpan("kv", 0x1000, 64),), (ViewSpan("x", "kv", 0, 16, 16, 4),))
+    engine = OtherEngine()
+    with capture_events() as events:
+        assert guard_module.guard(engine, memory) is engine
+        assert guard_module.guard(OtherEngine(), memory) is not None
+    [unavailable] = [e for e in events if e["event"] == "integration_unavailable"]  # once
+    assert unavailable["integration"] == "mooncake"
+    assert unavailable["reason"].startswith("the engine (OtherEngine) has no register_memory")
