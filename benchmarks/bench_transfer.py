@@ -15,7 +15,7 @@ Rounds run interleaved (the order swapped every other round) and the figure is t
 the per-round ratios, so noise that hits a whole round cancels; the spread is the
 interquartile range of those ratios. The cyclic collector stays on, as in a serving process.
 
-Run: python benchmarks/bench_transfer.py [--rounds 7]
+Run: python benchmarks/bench_transfer.py [--rounds 9]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def strided_rows() -> np.ndarray:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
 
     prepared = build_rows()

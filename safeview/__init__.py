@@ -7,9 +7,11 @@ never a copy, never a resized storage; and each decision leaves a structured log
 The pipeline, one module each: ``spec`` (layouts) -> ``check`` (the one checker, with
 ``findings`` and the ``overlap`` sweeps) -> ``view`` (``make_view``) -> ``log`` (events). Around
 it: ``kv`` (whole-cache registration from live tensors), ``sanitize`` (every view that code we do
-not own makes, checked before it is made), ``vllm`` (vLLM's own views and its plugin), ``plan``
-and ``cli`` (layouts as JSON files and the ``safeview`` command). Only ``_torch`` imports torch;
-importing safeview does not, and the names that need it load it on first use.
+not own makes, checked before it is made), ``transfer`` (the descriptors a connector hands to a
+transfer engine, judged against the views they must hit) with a thin guard per engine (``nixl``,
+``mooncake``), ``vllm`` (vLLM's own views and its plugin), ``plan`` and ``cli`` (layouts as JSON
+files and the ``safeview`` command). Only ``_torch`` imports torch; importing safeview does not,
+and the names that need it load it on first use.
 """
 
 from __future__ import annotations

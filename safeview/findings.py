@@ -64,9 +64,9 @@ def _storage(storage: str | None) -> str:
     return f"storage {storage!r}" if storage is not None else "the storage"
 
 
-def _n(number: int) -> str:
+def _n(number: int | None) -> str:
     """A number as every sentence writes it, with thousands separators: 130,343,768,064."""
-    return f"{number:,}"
+    return f"{number:,}" if number is not None else "?"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +85,9 @@ class Descriptor:
     def describe(self, element: int | None = None) -> str:
         """``descriptor 3 (address 0x7f00, 16384 bytes x 10 every 49152 bytes, device 0)``,
         preceded by ``element k (address ...) of`` for one element of a strided row."""
-        text = f"descriptor {self.index} (address {self.address:#x}, {self.length_bytes} bytes"
+        text = f"descriptor {self.index} (address {self.address:#x}, {_n(self.length_bytes)} bytes"
         if self.count is not None and self.stride_bytes is not None:
-            text += f" x {self.count} every {self.stride_bytes} bytes"
+            text += f" x {_n(self.count)} every {_n(self.stride_bytes)} bytes"
         if self.device is not None:
             text += f", device {self.device}"
         text += ")"
@@ -106,7 +106,7 @@ def _target(views: Sequence[str], packed: bool) -> str:
 def _covers(storage: str | None, byte_offset: int | None, extent_bytes: int | None) -> str:
     if storage is None or byte_offset is None or extent_bytes is None:
         return ""
-    return f" covers bytes [{byte_offset}, {extent_bytes}) of storage {storage!r}:"
+    return f" covers bytes [{_n(byte_offset)}, {_n(extent_bytes)}) of storage {storage!r}:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,8 +406,8 @@ class Finding:
             assert storage_nbytes is not None
             overflow = extent_bytes - storage_nbytes
             tail = (
-                f"needs bytes [{byte_offset}, {extent_bytes}) of storage {storage!r}, which has "
-                f"{storage_nbytes} bytes ({overflow} bytes past its end)"
+                f"needs bytes [{_n(byte_offset)}, {_n(extent_bytes)}) of storage {storage!r}, "
+                f"which has {_n(storage_nbytes)} bytes ({_n(overflow)} bytes past its end)"
             )
         elif reason == "device":
             tail = (
@@ -418,7 +418,7 @@ class Finding:
             assert end_address is not None
             overflow = end_address - 2**64
             tail = (
-                f"ends at {end_address:#x}, {overflow} bytes past the last address "
+                f"ends at {end_address:#x}, {_n(overflow)} bytes past the last address "
                 "(2**64 - 1): no memory lies there"
             )
         else:
@@ -465,7 +465,7 @@ class Finding:
         what = row.describe(element)
         covers = _covers(storage, byte_offset, extent_bytes)
         if reason == "gap":
-            tail = f"byte {gap_offset} there lies in no page of any view (a gap or padding)"
+            tail = f"byte {_n(gap_offset)} there lies in no page of any view (a gap or padding)"
         elif reason == "pages":
             assert blocks is not None
             tail = (
@@ -485,16 +485,16 @@ class Finding:
         elif reason == "stride":
             tail = (
                 f"a strided row is one view, and {_target(views, packed)} has a block stride of "
-                f"{block_stride_bytes} bytes, not {row.stride_bytes}"
+                f"{_n(block_stride_bytes)} bytes, not {_n(row.stride_bytes)}"
             )
         else:
             assert blocks is not None
             assert num_blocks is not None
             assert row.count is not None
             tail = (
-                f"its {row.count} elements need blocks {blocks[0]}..{blocks[1]} of "
-                f"{_target(views, packed)}, which has {num_blocks} "
-                f"({blocks[1] + 1 - num_blocks} too many)"
+                f"its {_n(row.count)} elements need blocks {blocks[0]}..{blocks[1]} of "
+                f"{_target(views, packed)}, which has {_n(num_blocks)} "
+                f"({_n(blocks[1] + 1 - num_blocks)} too many)"
             )
         joiner = "" if reason == "storages" else (covers + " " if covers else " ")
         return cls._descriptor(
@@ -531,9 +531,10 @@ class Finding:
         return cls._descriptor(
             "partial_page",
             row,
-            f"{what}{_covers(storage, byte_offset, extent_bytes)} {extent_bytes - byte_offset} "
-            f"of the {page_bytes} bytes of page {block} of view {view!r} (bytes [{page_offset}, "
-            f"{page_offset + page_bytes})), and whole pages are required",
+            f"{what}{_covers(storage, byte_offset, extent_bytes)} "
+            f"{_n(extent_bytes - byte_offset)} of the {_n(page_bytes)} bytes of page {block} of "
+            f"view {view!r} (bytes [{_n(page_offset)}, {_n(page_offset + page_bytes)})), and "
+            "whole pages are required",
             views=(view,),
             storage=storage,
             byte_offset=byte_offset,
@@ -589,12 +590,12 @@ class Finding:
         strided row) both write the byte at address ``byte``."""
         where = ""
         if storage is not None and byte_offset is not None:
-            where = f" (byte {byte_offset} of storage {storage!r}"
+            where = f" (byte {_n(byte_offset)} of storage {storage!r}"
             where += f", in view {views[0]!r})" if views else ")"
         if first.index == second.index:
             message = (
                 f"{first.describe()} writes byte {byte:#x}{where} twice: its stride of "
-                f"{first.stride_bytes} bytes is shorter than its {first.length_bytes} bytes"
+                f"{_n(first.stride_bytes)} bytes is shorter than its {_n(first.length_bytes)} bytes"
             )
         else:
             message = (
@@ -619,7 +620,7 @@ class Finding:
         """Region ``region`` overlaps ``earlier``, registered before with the same engine, from
         the address ``byte`` on."""
         text = region.describe().replace("descriptor", "region", 1)
-        before = f"address {earlier.address:#x}, {earlier.length_bytes} bytes"
+        before = f"address {earlier.address:#x}, {_n(earlier.length_bytes)} bytes"
         return cls._descriptor(
             "duplicate_registration",
             region,

@@ -276,7 +276,6 @@ class _Alias(NamedTuple):
     device: int
     storage: str
     views: tuple[str, ...]
-    storage_address: int
 
 
 class _Family(NamedTuple):
@@ -351,9 +350,8 @@ class _Index:
             if index is None:
                 index = aliases[key] = len(self.aliases)
                 self.aliases.append(
-                    _Alias(base, page, stride, blocks, storage.device_id, storage.name, (),
-                           storage.address)
-                )  # fmt: skip
+                    _Alias(base, page, stride, blocks, storage.device_id, storage.name, ())
+                )
                 alias_views.append([])
                 alias_layers.append(set())
             alias_views[index].append(view.name)
@@ -375,6 +373,9 @@ class _Index:
         self.families: list[_Family] = []
         for (device, storage_name, stride), members in periodic.items():
             pending = sorted(members, key=lambda i: self.aliases[i].base)
+            # Greedy windows: the lowest page left starts one (so a family's first member is
+            # at offset 0), and takes the pages after it that fit in the window without
+            # overlapping; the others start windows of their own.
             while pending:
                 origin = self.aliases[pending[0]].base
                 chosen, rest, reach = [], [], origin

@@ -276,7 +276,7 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
         except (BoundsError, OverlapError):
             raise  # a finding, under strict: the start-up stops with its numbers
         except Exception as error:  # safeview's own failure, or a vLLM it does not know
-            _step_aside(f"{type(error).__name__}: {error}")
+            _step_aside("register_kv_caches left unchecked", f"{type(error).__name__}: {error}")
             return original(kv_caches, *args, **kwargs)
         # the transfer engine's agent first, so that the sanitizer does not see safeview's own
         # guarding of it
@@ -287,17 +287,18 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
     connector.register_kv_caches = register_kv_caches
 
 
-_stepped_aside: list[str] = []
+_stepped_aside: set[str] = set()
 
 
-def _step_aside(reason: str) -> None:
-    """Say once per process why safeview leaves a registration unchecked."""
-    if not _stepped_aside:
-        _stepped_aside.append(reason)
+def _step_aside(what: str, reason: str) -> None:
+    """Say once per process and ``what`` (``"register_kv_caches left unchecked"``, ``"NIXL agent
+    left unguarded"``) why safeview leaves something of vLLM's alone."""
+    if what not in _stepped_aside:
+        _stepped_aside.add(what)
         log.integration(
             "integration_unavailable",
             integration="vllm",
-            reason=f"register_kv_caches left unchecked: {reason}",
+            reason=f"{what}: {reason}",
             version=_vllm_version(),
         )
 
@@ -434,21 +435,6 @@ def _nixl_allocation(kv_caches: Mapping[str, Any], kv_cache_config: Any) -> Any:
     return MemoryMap(tuple(storages.values()), tuple(views))
 
 
-_nixl_stepped_aside: list[str] = []
-
-
-def _nixl_step_aside(reason: str) -> None:
-    """Say once per process why a NIXL agent is left unguarded."""
-    if not _nixl_stepped_aside:
-        _nixl_stepped_aside.append(reason)
-        log.integration(
-            "integration_unavailable",
-            integration="vllm",
-            reason=f"NIXL agent left unguarded: {reason}",
-            version=_vllm_version(),
-        )
-
-
 class _NixlAgentsGuarded:
     """``with _guard_nixl_agents(...)``: see ``_guard_nixl_agents``."""
 
@@ -472,7 +458,10 @@ class _NixlAgentsGuarded:
             for worker in workers:
                 if getattr(worker, "use_host_buffer", False):
                     # it registers host buffers it makes inside register_kv_caches, not these
-                    _nixl_step_aside("the worker stages transfers through host buffers")
+                    _step_aside(
+                        "NIXL agent left unguarded",
+                        "the worker stages transfers through host buffers",
+                    )
                     continue
                 agent = getattr(worker, _NIXL_WORKER_ATTRIBUTE)
                 # Mamba layers transfer conv and SSM state as slices of a page
@@ -482,7 +471,7 @@ class _NixlAgentsGuarded:
                 self.guarded.append((worker, agent, allocation))
         except Exception as error:  # safeview's own failure, or a vLLM or NIXL it does not know
             self._restore()
-            _nixl_step_aside(f"{type(error).__name__}: {error}")
+            _step_aside("NIXL agent left unguarded", f"{type(error).__name__}: {error}")
 
     def __exit__(self, *exc_info: object) -> None:
         # From now on the worker prepares lists only at handshakes, whose rows may be slices of
@@ -495,7 +484,7 @@ class _NixlAgentsGuarded:
                 setattr(worker, _NIXL_WORKER_ATTRIBUTE, checked)
         except Exception as error:
             self._restore()
-            _nixl_step_aside(f"{type(error).__name__}: {error}")
+            _step_aside("NIXL agent left unguarded", f"{type(error).__name__}: {error}")
 
     def _restore(self) -> None:
         for worker, agent, _ in self.guarded:

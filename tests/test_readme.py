@@ -22,6 +22,7 @@ from safeview import BlockLayout, BoundsError, Plan, Region, StridedLayout, make
 from safeview.kv import block_views
 from safeview.sanitize import Sanitizer
 from safeview.testing import capture_events
+from safeview.transfer import check_descriptors
 from safeview.vllm import register_plugin
 
 ROOT = Path(__file__).parent.parent
@@ -157,7 +158,11 @@ def _emitted(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
             "x": torch.as_strided(raw, (4, 32), (64, 1), 0),
             "y": torch.as_strided(raw, (4, 32), (64, 1), 16),
         }
-        block_views(caches, {"x": 32, "y": 32}, num_blocks=4, packed=caches, policy="warn")
+        registration = block_views(
+            caches, {"x": 32, "y": 32}, num_blocks=4, packed=caches, policy="warn"
+        )
+        address = raw.untyped_storage().data_ptr()
+        check_descriptors([(address + 8, 32)], registration, policy="warn")  # across two pages
         with safeview.sanitize(policy="warn"):  # a view past the end, seen at the dispatcher
             torch.as_strided(meta, (5, 16), (16, 1))
             torch.as_strided(meta.view(torch.float16), (4, 9), (8, 1))
@@ -185,6 +190,7 @@ def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.Mon
         "view_created",
         "bounds_violation",
         "overlap_violation",
+        "address_violation",
         "registration_checked",
         "integration_installed",
         "integration_unavailable",

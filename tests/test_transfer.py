@@ -282,12 +282,12 @@ def layouts(draw: st.DrawFn) -> Layout:
         for members, _ in groups:
             if original.name in members:
                 members.append("alias")
-    extra = draw(st.sampled_from(["none", "none", "overlay", "broken"]))
-    if extra == "overlay":  # another group's pages over the same bytes, of another size
+    addition = draw(st.sampled_from(["none", "none", "overlay", "broken"]))
+    if addition == "overlay":  # another group's pages over the same bytes, of another size
         storage = draw(st.sampled_from(storages))
         page = draw(st.integers(2, 12))
         views.append(ViewSpan("overlay", storage.name, 0, page, page, storage.nbytes // page))
-    elif extra == "broken":  # a view whose pages overlap each other (registered under warn)
+    elif addition == "broken":  # a view whose pages overlap each other (registered under warn)
         storage = draw(st.sampled_from(storages))
         views.append(ViewSpan("broken", storage.name, 0, 4, 2, 3))
     return Layout(storages, views, groups)
@@ -516,6 +516,17 @@ def test_overlapping_write_rows_are_refused_only_when_writes_are_checked() -> No
     assert finding.rows == (0, 1)
     assert finding.byte == BASE + 16
     assert finding.views == ("mla.0",)
+
+
+def test_a_strided_write_row_whose_elements_overlap_writes_bytes_twice() -> None:
+    [finding] = check_descriptors(
+        [(BASE + 0x1000, 48, 0, 24, 2)], packed(), writes=True, whole_pages=False, policy="warn"
+    )[-1:]
+    assert finding.kind == "overlapping_writes"
+    assert finding.rows == (0, 0)
+    assert finding.byte == BASE + 0x1000 + 24
+    assert "writes byte" in finding.message
+    assert "twice: its stride of 24 bytes is shorter than its 48 bytes" in finding.message
 
 
 # -- inputs ---------------------------------------------------------------------------------------

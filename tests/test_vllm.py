@@ -170,6 +170,7 @@ def plugin() -> Iterator[Any]:
 
     saved = KVConnectorFactory.__dict__["create_connector"]
     harness.reset_general_plugins()
+    safeview.vllm._stepped_aside.clear()  # each test may be the first to step aside
     with capture_events() as events:
         vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call,unused-ignore]
         yield events

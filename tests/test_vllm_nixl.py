@@ -155,7 +155,7 @@ def test_a_shared_block_length_is_refused_under_strict_before_any_transfer(guard
     assert error["attributes"]["kind"] == "partial_page"
     assert error["attributes"]["length"] == 32768
     assert LAYER_1 in error["message"]
-    assert "32768 of the 65536 bytes" in error["message"]
+    assert "32,768 of the 65,536 bytes" in error["message"]
     # NIXL never saw the list, and no READ was tried: D is as it was allocated
     assert result["sides"]["P"]["local_rows"] == []
     assert result["transfer"] is None
@@ -215,10 +215,10 @@ def stepped_aside() -> Any:
     import safeview.nixl
     import safeview.vllm
 
-    safeview.vllm._nixl_stepped_aside.clear()
+    safeview.vllm._stepped_aside.clear()
     safeview.nixl._reported.clear()
     yield
-    safeview.vllm._nixl_stepped_aside.clear()
+    safeview.vllm._stepped_aside.clear()
     safeview.nixl._reported.clear()
 
 
