@@ -85,32 +85,52 @@ class SeenView(NamedTuple):
 _open: ContextVar[tuple[Sanitizer, ...]] = ContextVar("safeview_sanitizers", default=())
 
 
-class _ThreadGuard(threading.local):
+class _ThreadGuard:
     """The one guard of a thread, installed while sanitizers are open in it."""
 
-    guard: ViewGuard | None = None
-    users: int = 0
+    __slots__ = ("guard", "users")
+
+    def __init__(self) -> None:
+        self.guard: ViewGuard | None = None
+        self.users = 0
 
 
-_thread = _ThreadGuard()
+_threads = threading.local()
+
+
+def _this_thread() -> _ThreadGuard:
+    state: _ThreadGuard | None = getattr(_threads, "state", None)
+    if state is None:
+        state = _threads.state = _ThreadGuard()
+    return state
+
+
+def _current() -> tuple[Sanitizer, ...]:
+    """The sanitizers open in this context, innermost last; one closed elsewhere (from another
+    thread or context, whose variable it could not reset) no longer counts."""
+    sanitizers = _open.get()
+    for sanitizer in sanitizers:
+        if not sanitizer._entries:
+            return tuple(open_ for open_ in sanitizers if open_._entries)
+    return sanitizers
 
 
 def _active() -> bool:
-    return bool(_open.get())
+    return bool(_current())
 
 
 def _tracks() -> bool:
-    return any(sanitizer._layer_of is not None for sanitizer in _open.get())
+    return any(sanitizer._layer_of is not None for sanitizer in _current())
 
 
 def _on_view(op: Op) -> None:
-    sanitizers = _open.get()
+    sanitizers = _current()
     if sanitizers:
         sanitizers[-1]._on_view(op, sanitizers)
 
 
 def _on_alias(source: Any, result: Any) -> None:
-    for sanitizer in _open.get():
+    for sanitizer in _current():
         sanitizer._on_alias(source, result)
 
 
@@ -119,7 +139,7 @@ def _on_error(error: BaseException) -> None:
 
 
 def _install() -> _ThreadGuard:
-    state = _thread
+    state = _this_thread()
     if state.guard is None:
         from safeview import _torch  # torch is needed only once a sanitizer is entered
 
@@ -132,7 +152,9 @@ def _install() -> _ThreadGuard:
 
 def _uninstall(state: _ThreadGuard) -> None:
     state.users -= 1
-    if state.users > 0 or state is not _thread or state.guard is None:
+    if state.users > 0 or state is not _this_thread() or state.guard is None:
+        # still in use, or closed from another thread than the one it guards: a mode can be
+        # popped only in its own thread, so it stays there, idle, for that thread's next use
         return
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 

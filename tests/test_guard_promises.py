@@ -10,6 +10,7 @@ import importlib
 import io
 import json
 import logging
+import threading
 from collections.abc import Callable, Generator
 from math import inf
 from pathlib import Path
@@ -481,3 +482,24 @@ def test_a_list_of_layers_is_a_registration_with_layers_named_by_position() -> N
     assert Connector().register_kv_caches(caches) == 2
     with pytest.raises(OverlapError):
         Connector().register_kv_caches([kv[:128], kv[64:192]])
+
+
+def test_a_sanitizer_closed_in_another_thread_leaves_that_thread_and_its_own_consistent() -> None:
+    meta = torch.empty(64, dtype=torch.int8, device="meta")
+    guard = sanitize("strict")
+    guard.__enter__()
+    closed = threading.Event()
+
+    def close_elsewhere() -> None:
+        guard.__exit__(None, None, None)
+        closed.set()
+
+    worker = threading.Thread(target=close_elsewhere)
+    worker.start()
+    worker.join()
+    assert closed.is_set()
+    assert _get_current_dispatch_mode() is not None  # this thread's guard stays, idle
+    assert torch.as_strided(meta, (9, 16), (16, 1)).shape == (9, 16)  # no sanitizer open here
+    with sanitize("strict"), pytest.raises(BoundsError):  # and serves the next one
+        torch.as_strided(meta, (9, 16), (16, 1))
+    assert _get_current_dispatch_mode() is None
