@@ -9,14 +9,16 @@ Each row is measured against the call it replaces: ``make_view`` given a tensor 
 against the two-step from that tensor's storage (``.untyped_storage()`` included when the user
 holds a tensor); a layout built inside the loop against the same loop with the layout built
 before it, with the values a loop rebuilds (the same every call) and with new values every call
-(a per-layer loop: each layer's offset is new). All rows run in one process, interleaved round
-by round (odd rounds in reverse order), and each figure is the median over rounds of (its time
-per call / its baseline's time per call in that round), so noise that hits a whole round
-cancels. The spread is the interquartile range of those per-round ratios; the two medians after
-it are of the first and second half of the rounds: their gap is about what a repeated run moves
-the figure by. Absolute times are for orientation only.
+(a per-layer loop: each layer's offset is new), and, for scale, the floor of any constructor: a
+class call with the same four keywords that returns at once. All rows run in one process,
+interleaved round by round (odd rounds in reverse order), and each figure is the median over
+rounds of (its time per call / its baseline's time per call in that round), so noise that hits
+a whole round cancels. The spread is the interquartile range of those per-round ratios; the two
+medians after it are of the first and second half of the rounds: their gap is about what a
+repeated run moves the figure by. Absolute times are for orientation only. ``--cpu-time`` times
+rounds by the thread's CPU time instead of the wall clock, for a machine shared with other work.
 
-Run: python benchmarks/bench_make_view.py [--rounds 101] [--calls 1000]
+Run: python benchmarks/bench_make_view.py [--rounds 101] [--calls 1000] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -81,6 +83,22 @@ def rows(calls: int, rounds: int) -> dict[str, Row]:
         )
         return make_view(kv, built, name="layer", policy="strict")
 
+    class _Returns(type):
+        # a class call with four keywords that returns at once: what CPython charges for
+        # BlockLayout(...) before any of its own work (a metaclass __call__, as BlockLayout's)
+        def __call__(cls, num_blocks: int, page_bytes: int, block_stride_bytes: int,
+                     byte_offset: int) -> object:  # fmt: skip
+            return layout
+
+    class Floor(metaclass=_Returns):
+        pass
+
+    def floor_then_view() -> object:
+        built = Floor(  # type: ignore[call-arg]
+            num_blocks=num_blocks, page_bytes=page, block_stride_bytes=stride, byte_offset=offset
+        )
+        return make_view(kv, built, name="layer", policy="strict")  # type: ignore[arg-type]
+
     base, prebuilt = "two-step from the storage", "strict, int8 cache tensor"
     return {
         base: Row(two_step_storage, None, None),
@@ -108,6 +126,9 @@ def rows(calls: int, rounds: int) -> dict[str, Row]:
         ),
         "strict, layout built per call, same values": Row(repeated_values, prebuilt, 1.2),
         "strict, layout built per call, new values": Row(new_values, prebuilt, 2.0),
+        "an empty class call per call, then make_view (floor)": Row(
+            floor_then_view, prebuilt, None
+        ),
         "same, new values, against the two-step": Row(new_values, base, None),
         "bare torch.as_strided(int8 cache) (for scale)": Row(
             lambda: torch.as_strided(kv, SHAPE, STRIDES, OFFSET), base, None
@@ -127,7 +148,9 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return low, high
 
 
-def measure(rounds: int, calls: int) -> Iterator[tuple[str, float, float, tuple[float, ...]]]:
+def measure(
+    rounds: int, calls: int, clock: Callable[[], int] = time.perf_counter_ns
+) -> Iterator[tuple[str, float, float, tuple[float, ...]]]:
     """Per row: its median time per call (us), then its figure and spread against its baseline
     (or 1.0 and its time spread, for a baseline)."""
     logging.getLogger("safeview").setLevel(logging.WARNING)  # view_created filtered out
@@ -142,10 +165,10 @@ def measure(rounds: int, calls: int) -> Iterator[tuple[str, float, float, tuple[
             order.reverse()
         for name, row in order:
             fn = row.fn
-            start = time.perf_counter_ns()
+            start = clock()
             for _ in range(calls):
                 fn()
-            per_call[name].append((time.perf_counter_ns() - start) / calls / 1_000)
+            per_call[name].append((clock() - start) / calls / 1_000)
     for name, row in table.items():
         micros = statistics.median(per_call[name])
         if row.baseline is None:
@@ -169,15 +192,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--rounds", type=int, default=101)
     parser.add_argument("--calls", type=int, default=1_000)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time each round by this thread's CPU time, not the wall clock: on a machine shared "
+        "with other work, the time the thread waits for a core is left out",
+    )
     args = parser.parse_args()
+    clock = time.thread_time_ns if args.cpu_time else time.perf_counter_ns
     table = rows(1, 1)
     print(
         f"torch {torch.__version__}, safeview {safeview.__version__}, {args.rounds} rounds x "
-        f"{args.calls} calls; figure = median of per-round ratios to the baseline"
+        f"{args.calls} calls ({'CPU time' if args.cpu_time else 'wall clock'}); figure = median "
+        "of per-round ratios to the baseline"
     )
     print(f"{'row':48} {'us/call':>7} {'figure':>6}  {'IQR':>11}  {'halves':>11}  baseline")
     verdicts = []
-    for name, micros, figure, spread in measure(args.rounds, args.calls):
+    for name, micros, figure, spread in measure(args.rounds, args.calls, clock):
         row = table[name]
         if row.baseline is None:
             print(f"{name:48} {micros:7.2f} {'(base)':>6}")

@@ -3,8 +3,10 @@
 1. A small packed cache on the CPU: every layer's view is made and written through, and each
    layer's bytes land exactly where its layout says.
 2. The real GLM-5.2-FP8 numbers on the meta device (130 GB, no memory used): all 101 views pass.
-3. One block too many: what a four-argument ``Tensor.set_`` does to the storage (it is reallocated
-   and every other tensor's pointer goes stale), and what safeview reports instead.
+3. One block too many: what a four-argument ``Tensor.set_`` does to the storage (it is reallocated:
+   the tensors over it follow the copy to a new address, and every address taken before, a
+   ``data_ptr()`` handed to a transfer engine or a CUDA graph, points at freed memory), and what
+   safeview reports instead.
 
 Run: python examples/packed_kv_cache.py
 """
@@ -64,14 +66,17 @@ def one_block_too_many() -> None:
     print(f"one block too many: {layout.num_blocks} blocks of 16 bytes over a 64-byte storage")
 
     victim = torch.zeros(64, dtype=torch.int8)
+    layer_0 = victim[:16]  # a view made before
     storage = victim.untyped_storage()
-    before = (storage.data_ptr(), storage.nbytes())
+    before = (storage.data_ptr(), storage.nbytes())  # the address a transfer engine was given
     torch.empty(0, dtype=torch.int8).set_(storage, 0, layout.shape, layout.strides)
     after = (storage.data_ptr(), storage.nbytes())
+    followed = layer_0.data_ptr() == after[0]
     print(
         f"  4-argument set_: storage {before[1]} -> {after[1]} bytes, data_ptr "
-        f"{'moved' if after[0] != before[0] else 'kept'} "
-        "(every view made before now points at freed memory)"
+        f"{'moved' if after[0] != before[0] else 'kept'}; the views made before "
+        f"{'followed the copy' if followed else 'stayed behind'}, and an address taken before "
+        f"({before[0]:#x}) {'now points at freed memory' if after[0] != before[0] else 'holds'}"
     )
 
     kv = torch.zeros(64, dtype=torch.int8)

@@ -4,7 +4,9 @@ The worker is code we do not own: it builds each layer's int8 block view with th
 ``Tensor.set_``. Told a page one notch too big (its spec says 8 KV heads, the cache was allocated
 for 4), that call silently reallocates the whole KV cache. Under ``sanitize()`` the same unchanged
 code is stopped before the call runs, with the op, the numbers and the line; a correct run is
-recorded view by view and saved as a plan for ``safeview check``.
+recorded view by view and saved as a plan for ``safeview check``. Without safeview the cache moves:
+its tensors follow the copy, and every address taken before (what a transfer engine was given
+at registration, a CUDA graph) points at freed memory.
 
 Run: python examples/sanitized_worker.py
 """
@@ -78,8 +80,15 @@ def main() -> int:
 
     print("\n3. the same, without safeview")
     Worker(2 * PAGE).register_kv_caches(caches)
-    print(f"  the KV cache was reallocated: now {storage.nbytes():,} bytes, and every layer's")
-    print(f"  tensor points at freed memory: address moved {storage.data_ptr() != before[0]}")
+    moved = storage.data_ptr() != before[0]
+    followed = all(
+        cache.data_ptr() == storage.data_ptr() + cache.storage_offset() * cache.element_size()
+        for cache in caches.values()
+    )
+    print(f"  the KV cache was reallocated: now {storage.nbytes():,} bytes, moved {moved};")
+    print(f"  the layers' tensors followed the copy ({followed}), but an address taken before")
+    print(f"  ({before[0]:#x}: a transfer engine's registration, a CUDA graph) points at")
+    print("  freed memory")
     return 0
 
 

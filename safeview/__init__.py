@@ -10,8 +10,10 @@ it: ``kv`` (whole-cache registration from live tensors), ``sanitize`` (every vie
 not own makes, checked before it is made), ``transfer`` (the descriptors a connector hands to a
 transfer engine, judged against the views they must hit) with a thin guard per engine (``nixl``,
 ``mooncake``), ``vllm`` (vLLM's own views and its plugin), ``plan`` and ``cli`` (layouts as JSON
-files and the ``safeview`` command). Only ``_torch`` imports torch; importing safeview does not,
-and the names that need it load it on first use.
+files and the ``safeview`` command). Only the torch-boundary modules import torch: ``_torch``
+(storages, byte geometry and the views made of them), ``_torch_dispatch`` (the dispatch-level
+guard under ``sanitize``) and ``_entry_guard`` (the process-wide guard's entry-point patches).
+Importing safeview does not; the names that need torch load it on first use.
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ from safeview.errors import (
     ArgumentError,
     BoundsError,
     ConfigError,
+    CoverageError,
+    FailureIgnoredError,
+    LayoutMismatchError,
+    ManifestError,
     OverlapError,
     SafeViewError,
+    UnprovenWriteError,
 )
 from safeview.findings import Finding
 from safeview.log import configure_from_env, configure_logging, reset_logging
@@ -33,10 +40,12 @@ from safeview.overlap import find_overlaps
 from safeview.plan import Plan, PlanStorage, PlanView
 from safeview.policy import Policy, current_policy, policy_scope
 from safeview.sanitize import sanitize
-from safeview.spec import BlockLayout, Layout, Region, StridedLayout, packed_layouts
+from safeview.spec import BlockLayout, Layout, Region, SpecError, StridedLayout, packed_layouts
 
 if TYPE_CHECKING:
     from safeview import kv, vllm
+    from safeview.layout_diff import diff
+    from safeview.manifest import Manifest, describe
     from safeview.view import make_view
 
 __version__ = "0.3.0"
@@ -47,8 +56,13 @@ __all__ = [
     "BlockLayout",
     "BoundsError",
     "ConfigError",
+    "CoverageError",
+    "FailureIgnoredError",
     "Finding",
     "Layout",
+    "LayoutMismatchError",
+    "Manifest",
+    "ManifestError",
     "OverlapError",
     "Plan",
     "PlanStorage",
@@ -57,10 +71,14 @@ __all__ = [
     "Region",
     "Report",
     "SafeViewError",
+    "SpecError",
     "StridedLayout",
+    "UnprovenWriteError",
     "__version__",
     "configure_logging",
     "current_policy",
+    "describe",
+    "diff",
     "find_overlaps",
     "kv",
     "make_view",
@@ -73,10 +91,17 @@ __all__ = [
 
 # Names whose modules import torch, loaded on first use so that the command line stays light.
 _NEEDS_TORCH = {"make_view": "safeview.view", "kv": "safeview.kv", "vllm": "safeview.vllm"}
+# Layout manifests and their diff (no torch until describe() reads tensors), loaded on first use
+# too: a process that never compares two engines does not build their models.
+_LATER = {
+    "describe": "safeview.manifest",
+    "Manifest": "safeview.manifest",
+    "diff": "safeview.layout_diff",
+}
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _NEEDS_TORCH.get(name)
+    module_name = _NEEDS_TORCH.get(name) or _LATER.get(name)
     if module_name is None:
         raise AttributeError(f"module 'safeview' has no attribute {name!r}")
     import importlib

@@ -210,7 +210,9 @@ def pieces(record: ViewRecord) -> list[Blocks]:
         number, run = record.shape
         if not number or not run:
             return []
-        return [Blocks(record.byte_offset, number, record.strides[0], run)]
+        # one block is never stepped over: its stride may be anything, 0 included
+        stride = record.strides[0] if number > 1 else run
+        return [Blocks(record.byte_offset, number, stride, run)]
     try:
         return _arith.blocks(record.byte_offset, record.shape, record.strides, record.itemsize)
     except ValueError as error:

@@ -2,6 +2,8 @@
 
     safeview check PLAN|FOLDER [...] [-q | -v | --json] [--max-violations N] [--map FILE.png]
     safeview schema
+    safeview diff SENDER RECEIVER [--rule page_copy|vllm_nixl|in_place] [-q | --json]
+    safeview run [--policy strict|warn] -- COMMAND ...
 
 ``check`` exits 0 when every plan is clean, 1 when one has a violation, 2 for anything else (a
 plan unreadable, invalid or that could not be checked, a bad option or ``SAFEVIEW_*`` variable, a
@@ -26,6 +28,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from safeview import __version__
+from safeview._cli_diff import add_diff_command
 from safeview.check import Report
 from safeview.errors import ConfigError, SafeViewError
 from safeview.findings import KINDS, Finding
@@ -172,7 +175,10 @@ class _Outcome:
 
 
 def _detail(loc: str, message: str, value: Any = None) -> dict[str, Any]:
-    return {"loc": loc, "message": message, "input": None if value is None else repr(value)[:80]}
+    # an integer, a boolean or null stays what it is in JSON; anything else is shown as Python
+    # writes it, cut to 80 characters
+    shown = value if value is None or type(value) in (int, bool) else repr(value)[:80]
+    return {"loc": loc, "message": message, "input": shown}
 
 
 def _location(loc: Sequence[int | str]) -> str:
@@ -348,8 +354,9 @@ def _map_problem(target: Path, plans: int) -> str | None:
         import matplotlib  # noqa: F401
     except ImportError:
         return (
-            "--map needs matplotlib, which is not installed; "
-            "install it with: pip install 'safeview[plot]'"
+            "--map needs matplotlib, which is not installed; safeview is on no package index "
+            "yet: from a checkout of it, pip install -e '.[plot]', else "
+            "pip install '/path/to/safeview[plot]'"
         )
     return None
 
@@ -384,6 +391,11 @@ def check(args: argparse.Namespace) -> int:
     if problem is not None:
         if not args.quiet:
             _error(problem)
+        if args.json:  # one document all the same: no plan read, the reason in it
+            document = _document(UNUSABLE, [], problem)
+            if args.map is not None:
+                document["map"] = {"path": str(args.map), "written": False, "error": problem}
+            out.line(json.dumps(document, indent=2))
         return UNUSABLE
     progress = sys.stderr.isatty() and not args.quiet
     shown = 0
@@ -394,10 +406,15 @@ def check(args: argparse.Namespace) -> int:
             _check(outcome, progress)
         if outcome.error is not None and not args.quiet:
             _error(outcome.error)
-        if text and outcome.report is not None:
+        if text and (outcome.report is not None or len(outcomes) > 1):
+            # several plans: one that could not be checked is named on standard output too,
+            # where the others' sections and the tally are
             if shown:
                 out.line()
-            for line in _section(outcome, args):
+            lines = _section(outcome, args) if outcome.report is not None else [
+                f"ERROR {_shown(outcome.label)}", f"  {_shown(outcome.error or '')}"
+            ]  # fmt: skip
+            for line in lines:
                 out.line(line)
             shown += 1
     code = max(outcome.code for outcome in outcomes)
@@ -411,14 +428,7 @@ def check(args: argparse.Namespace) -> int:
         elif outcomes[0].report is not None and text:
             out.line(f"map written to {_shown(str(args.map))}")
     if args.json:
-        statuses = {status for outcome in outcomes for status in outcome.status}
-        order = ["error", *KINDS]
-        document: dict[str, Any] = {
-            "schema_version": SCHEMA_VERSION,
-            "status": [s for s in order if s in statuses] or ["clean"],
-            "exit_code": code,
-            "plans": [outcome.to_json() for outcome in outcomes],
-        }
+        document = _document(code, outcomes)
         if args.map is not None:
             drawn = outcomes[0].report is not None and map_error is None
             document["map"] = {"path": str(args.map), "written": drawn}
@@ -436,6 +446,22 @@ def check(args: argparse.Namespace) -> int:
             f"{n:,} {what}" for n, what in tally if n
         ))  # fmt: skip
     return code
+
+
+def _document(code: int, outcomes: Sequence[_Outcome], error: str | None = None) -> dict[str, Any]:
+    """The ``--json`` document of a check; ``error`` when no plan could be read at all."""
+    statuses = {status for outcome in outcomes for status in outcome.status}
+    if error is not None:
+        statuses.add("error")
+    document: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "status": [s for s in ("error", *KINDS) if s in statuses] or ["clean"],
+        "exit_code": code,
+        "plans": [outcome.to_json() for outcome in outcomes],
+    }
+    if error is not None:
+        document["error"] = error
+    return document
 
 
 def schema(args: argparse.Namespace) -> int:
@@ -499,18 +525,41 @@ def _parser() -> _Parser:
     checking.set_defaults(run=check)
     schema_parser = commands.add_parser("schema", help="print the JSON Schema of a plan file")
     schema_parser.set_defaults(run=schema)
+    add_diff_command(commands)  # safeview diff SENDER RECEIVER (safeview/_cli_diff.py)
+    guarded = commands.add_parser(
+        "run",
+        help="run a command with the process guard on (SAFEVIEW_GUARD)",
+        description="Run COMMAND with SAFEVIEW_GUARD set to the policy, so that every Python "
+        "process it starts judges its views (docs/process.md). Exit status: the command's.",
+    )
+    guarded.add_argument("--policy", choices=("strict", "warn"), default="strict")
+    guarded.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    guarded.set_defaults(run=run_guarded)
     return parser
+
+
+def run_guarded(args: argparse.Namespace) -> int:
+    """``safeview run``: the command's exit status, or 2 when there is no command to run."""
+    from safeview.process import run_command
+
+    argv = list(args.argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise ConfigError("COMMAND", "", ("a command to run, after --",))
+    args.out.flush()
+    return run_command(argv, args.policy)
 
 
 def _check_environment() -> None:
     """Every ``SAFEVIEW_*`` variable safeview reads, checked as the library would read it: a bad
     one is a ``ConfigError`` (exit 2) whatever the subcommand, even one that does not use it."""
     configure_from_env()  # SAFEVIEW_LOG_FORMAT, and SAFEVIEW_LOG_LEVEL with it
-    policy = os.environ.get(ENV_POLICY)
-    if policy is not None:
+    policy = os.environ.get(ENV_POLICY, "")
+    if policy.strip():  # set to nothing is unset
         coerce_policy(policy, source=ENV_POLICY)
-    level = os.environ.get(ENV_LOG_LEVEL)
-    if level is not None and level.strip().lower() not in LEVELS:
+    level = os.environ.get(ENV_LOG_LEVEL, "")
+    if level.strip() and level.strip().lower() not in LEVELS:
         raise ConfigError(ENV_LOG_LEVEL, level, LEVELS)
 
 

@@ -1,5 +1,5 @@
 """What can be wrong with a view: one ``Finding`` type, one ``kind`` vocabulary, one message per
-kind. Plain data; imports nothing of safeview, torch or pydantic.
+kind. Plain data; imports nothing of safeview (but its diff sentences), torch or pydantic.
 
 =================  ==========================================================================
 ``kind``           the invariant that is broken
@@ -22,7 +22,14 @@ Descriptors handed to a transfer engine (``safeview.transfer``) have kinds of th
 ``wrong_layer``             whole pages, but of another layer than the one it is meant for
 ``overlapping_writes``      two descriptors of one batch write the same byte
 ``duplicate_registration``  a region registered with an engine overlaps one registered before
+``unregistered``            a layer to be transferred, or part of one, is in no descriptor list
+                            prepared for its transfers (``safeview.coverage``)
 ==========================  =================================================================
+
+Two manifests compared by ``safeview.diff`` have the kinds ``byte`` (a byte a receiver reads as
+something else than what its sender wrote there), ``dtype``, ``missing_layer``, ``missing_rank``
+and ``refused`` (a pair the connector refuses); their sentences are in ``safeview._findings_diff``,
+a base of ``Finding``.
 
 Every finding is built by one of the constructors below, which also write its sentence;
 errors (``safeview.errors``), events (``safeview.log``) and the command line all read the same
@@ -33,9 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-__all__ = ["DESCRIPTOR_KINDS", "KINDS", "Descriptor", "Finding", "Kind"]
+from safeview._findings_diff import DiffFindings
+
+if TYPE_CHECKING:
+    from safeview._meaning import Meaning
+
+__all__ = ["DESCRIPTOR_KINDS", "DIFF_KINDS", "KINDS", "Descriptor", "Finding", "Kind"]
 
 Kind = Literal[
     "out_of_bounds",
@@ -48,10 +60,18 @@ Kind = Literal[
     "wrong_layer",
     "overlapping_writes",
     "duplicate_registration",
+    "unregistered",
+    "byte",
+    "dtype",
+    "missing_layer",
+    "missing_rank",
+    "refused",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
-DESCRIPTOR_KINDS: tuple[Kind, ...] = KINDS[4:]
+DESCRIPTOR_KINDS: tuple[Kind, ...] = KINDS[4:11]
 """The kinds of ``safeview.transfer``: descriptors handed to a transfer engine."""
+DIFF_KINDS: tuple[Kind, ...] = KINDS[11:]
+"""The kinds of ``safeview.diff``: two manifests that read a layer's bytes differently."""
 
 
 def _view(name: str | None, empty: bool = False) -> str:
@@ -110,7 +130,7 @@ def _covers(storage: str | None, byte_offset: int | None, extent_bytes: int | No
 
 
 @dataclass(frozen=True, slots=True)
-class Finding:
+class Finding(DiffFindings):
     """One broken invariant of one view (or of one pair of views), with its numbers.
 
     ``views`` holds one name (two for ``overlap``); ``storage`` names the storage in a plan or a
@@ -128,6 +148,10 @@ class Finding:
     was meant for), ``views`` (the views it touches), and where known ``storage``,
     ``byte_offset`` and ``extent_bytes`` (the bytes of that storage it covers); ``byte`` is an
     address there: the first byte in no page, or the first byte written or registered twice.
+
+    Diff findings (``safeview.diff``) fill ``layer``, ``byte`` (the receiver's page byte),
+    ``block`` (under ``in_place``), ``receiver_rank``, ``sender_ranks`` and, for a byte read
+    differently, ``receiver_reads`` and ``sender_wrote`` (``Meaning``: what it is to each side).
     """
 
     kind: Kind
@@ -149,6 +173,11 @@ class Finding:
     count: int | None = None
     element: int | None = None
     layer: str | None = None
+    block: int | None = None
+    receiver_rank: int | None = None
+    sender_ranks: tuple[int, ...] = ()
+    receiver_reads: Meaning | None = None
+    sender_wrote: Meaning | None = None
 
     @property
     def check(self) -> Literal["storage", "region"] | None:
@@ -169,7 +198,21 @@ class Finding:
 
     def to_json(self) -> dict[str, Any]:
         """The finding as a JSON object: ``kind``, ``views``, ``storage``, ``message`` and the
-        numbers that apply to its kind."""
+        numbers that apply to its kind (a diff finding: the object ``safeview diff --json``
+        prints for it)."""
+        if self.kind in DIFF_KINDS:
+            reads, wrote = self.receiver_reads, self.sender_wrote
+            return {
+                "kind": self.kind,
+                "layer": self.layer,
+                "byte": self.byte,
+                "block": self.block,
+                "receiver_rank": self.receiver_rank,
+                "sender_ranks": list(self.sender_ranks),
+                "receiver_reads": None if reads is None else reads.to_json(),
+                "sender_wrote": None if wrote is None else wrote.to_json(),
+                "message": self.message,
+            }
         data: dict[str, Any] = {
             "kind": self.kind,
             "views": list(self.views),
@@ -628,6 +671,41 @@ class Finding:
             f"byte {byte:#x} on: a transfer's addresses could then resolve to either region",
             byte=byte,
             rows=(region.index, earlier.index),
+        )
+
+    @classmethod
+    def unregistered(
+        cls,
+        *,
+        layer: str,
+        storage: str | None,
+        byte_offset: int,
+        extent_bytes: int,
+        block: int,
+        pages_missing: int,
+        pages: int,
+        page_bytes: int,
+        bytes_missing: int,
+        prepared: str,
+    ) -> Finding:
+        """Layer ``layer`` is to be transferred, but ``bytes_missing`` bytes of it, in
+        ``pages_missing`` of its ``pages`` pages, lie in no descriptor prepared for its
+        transfers; ``[byte_offset, extent_bytes)`` of ``storage`` are the first such bytes (in
+        page ``block``). ``prepared`` says what was prepared, in words."""
+        where = f"bytes [{_n(byte_offset)}, {_n(extent_bytes)}) of {_storage(storage)}"
+        return cls(
+            "unregistered",
+            (layer,),
+            storage,
+            f"layer {layer!r} is to be transferred, but {_n(bytes_missing)} of its bytes lie in "
+            f"no descriptor prepared for its transfers (in {_n(pages_missing)} of its {_n(pages)} "
+            f"pages of {_n(page_bytes)} bytes; the first: {where}, page {block}); prepared: "
+            f"{prepared}. Those bytes are never transferred, and nothing else says so",
+            byte_offset=byte_offset,
+            extent_bytes=extent_bytes,
+            layer=layer,
+            count=pages_missing,
+            length_bytes=bytes_missing,
         )
 
 

@@ -10,13 +10,14 @@ connector's ``register_kv_caches`` and runs the method under ``sanitize()``.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from safeview import _torch, log
+from safeview import _torch, log, process
 from safeview.check import Report, StorageRecord, ViewRecord, check_views
 from safeview.errors import ArgumentError, BoundsError, OverlapError
 from safeview.findings import Finding
@@ -245,6 +246,23 @@ def _names(value: object, what: str) -> frozenset[str]:
     return frozenset(value)
 
 
+def _known_layers(mapping: Mapping[str, object], kv_caches: Mapping[str, Any], what: str) -> None:
+    """Refuse keys of ``groups`` or ``regions`` that name no layer of ``kv_caches``: a misspelt
+    name leaves its layer without a group (a false overlap) or without a region (a check not
+    made), and says nothing."""
+    unknown = [key for key in mapping if key not in kv_caches]
+    if not unknown:
+        return
+    near = difflib.get_close_matches(str(unknown[0]), [str(name) for name in kv_caches], n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    shown = ", ".join(repr(key) for key in unknown[:5])
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    raise ArgumentError(
+        f"{what} names {len(unknown)} layer{'s' if len(unknown) != 1 else ''} that kv_caches "
+        f"does not have: {shown}{more}{hint}"
+    )
+
+
 def _region(regions: Mapping[str, Region | Sequence[int]] | None, layer: str) -> Any:
     if regions is None:
         return None
@@ -292,11 +310,18 @@ def block_views(
       ``safeview.vllm.check_registration`` applies vLLM's own rules instead.)
     - A list of attention tensors (split K/V): one view each, each with its share of the page.
     - A list of Mamba state tensors: one view of contiguous pages from the first state tensor.
-    - ``groups[layer]``: the layer's KV-cache group; layers of different groups may share bytes,
-      a layer without a group may share with none. ``regions[layer]``: its byte range.
+    - A single tensor whose outermost axis is K/V, not blocks (``(2, num_blocks, ...)``), is
+      refused with an ``ArgumentError`` that says to pass ``[cache[0], cache[1]]``.
+    - ``groups[layer]``: the layer's KV-cache group (the same mapping a ``guard_registration``
+      is given); layers of different groups may share bytes, a layer without a group may share
+      with none. ``regions[layer]``: its byte range. A key of either that names no layer of
+      ``kv_caches`` is refused (``ArgumentError``), with the name it probably meant.
 
-    Under ``strict`` a broken bound raises ``BoundsError`` and shared bytes ``OverlapError``;
-    under ``warn`` both are logged and the views are made; ``off`` checks nothing. One
+    Under ``strict`` a broken bound raises ``BoundsError`` and shared bytes ``OverlapError``,
+    before any view is made; under ``warn`` both are logged and the views are made, except a
+    view past the end of a cpu or cuda storage, which torch refuses (safeview never grows a
+    storage): then ``BoundsError``, naming every such view and chained to torch's error, after
+    the warnings (on meta the view is made); ``off`` checks nothing. One
     ``registration_checked`` event (INFO) sums it up. Arguments of the wrong kind or value (a
     ``num_blocks`` of ``True`` or ``-1``, a page of 0 bytes) raise ``ArgumentError``.
     """
@@ -312,6 +337,9 @@ def block_views(
             raise ArgumentError(
                 f"{what} must be a mapping keyed by layer name; got {type(mapping).__name__}"
             )
+    for what, mapping in (("groups", groups), ("regions", regions)):
+        if mapping:
+            _known_layers(mapping, kv_caches, what)
     packed = _names(packed, "packed")
     planned = _Planned()
     page_bytes: dict[str, int] = {}
@@ -355,6 +383,8 @@ def block_views(
                 region=region,
             )
             continue
+        if len(tensors) == 1:
+            _refuse_kv_first(layer, tensors[0], blocks, page)
         if len(tensors) > 1 and page % len(tensors):
             raise ArgumentError(
                 f"layer {layer!r}: its page of {page} bytes does not split evenly over its "
@@ -378,7 +408,31 @@ def block_views(
                 group=group,
                 region=region,
             )
-    return _register(planned, page_bytes, active, source="block_views")
+    registration = _register(planned, page_bytes, active, source="block_views")
+    process.learn_layers(kv_caches)  # known memory for the process guard, when it is on
+    return registration
+
+
+def _refuse_kv_first(layer: str, tensor: torch.Tensor, num_blocks: int, page: int) -> None:
+    """Refuse one tensor whose outermost axis is K/V, not blocks (FlashAttention's per-layer
+    ``(2, num_blocks, block_tokens, heads, head_dim)``): cut into ``(num_blocks, page)`` rows it
+    would give rows that each hold K of two blocks, V of block 0 far down, silently."""
+    if tensor.dim() < 3 or tensor.shape[0] != 2 or num_blocks == 2:
+        return
+    strides = tensor.stride()
+    if strides[0] < strides[1] * tensor.shape[1]:  # K/V is not the outermost axis
+        return
+    itemsize = tensor.element_size()
+    half = strides[1] * itemsize
+    raise ArgumentError(
+        f"layer {layer!r}: its cache tensor has shape {tuple(tensor.shape)} and strides "
+        f"{strides} (in {itemsize}-byte elements): shape[0] == 2 != num_blocks={num_blocks} "
+        "and that axis is the outermost, a K/V-first layout (the K of every block, then the V "
+        f"of every block), which rows of {page:,} bytes, one per block, would cut wrongly (row "
+        "i would hold the K of blocks 2i and 2i+1). Pass K and V as two tensors, "
+        f"kv_caches[{layer!r}] = [cache[0], cache[1]]: each gets half the page (the K or the V "
+        f"of one block, {half:,} bytes here)"
+    )
 
 
 def _register(
@@ -403,9 +457,12 @@ def _register(
         except RuntimeError as error:
             if record.name not in past_end:
                 raise
-            [finding] = [f for f in report.findings if f.kind == "out_of_bounds" and
-                         f.views[0] == record.name]  # fmt: skip
-            raise _bounds_error(finding, storages, active) from error
+            # warn (or off): torch refuses a view past the end of a cpu or cuda storage, and
+            # safeview never grows one; the error names every view that is past its end
+            found = [f for f in report.findings if f.kind == "out_of_bounds"]
+            [finding] = [f for f in found if f.views[0] == record.name]
+            others = [f for f in found if f is not finding]
+            raise _bounds_error(finding, storages, active, others) from error
         made.append(view)
     return Registration(
         _per_layer(page_bytes, planned.layers, made),
@@ -429,11 +486,13 @@ def _per_layer(
     return {layer: tuple(group) for layer, group in grouped.items()}
 
 
-def _bounds_error(finding: Finding, storages: _Storages, active: Policy) -> BoundsError:
+def _bounds_error(
+    finding: Finding, storages: _Storages, active: Policy, more: Sequence[Finding] = ()
+) -> BoundsError:
     assert finding.storage is not None
     facts = storages.facts[finding.storage]
     return BoundsError(
-        finding, storage_nbytes=facts.nbytes, device=facts.device, policy=active.value
+        finding, storage_nbytes=facts.nbytes, device=facts.device, policy=active.value, more=more
     )
 
 
@@ -462,7 +521,7 @@ def _report(
         log.overlap_violation(finding, strict=strict, policy=active.value)
     log.registration_checked(report, policy=active.value, layers=layers, source=source)
     if strict and bounds:
-        raise _bounds_error(bounds[0], storages, active)
+        raise _bounds_error(bounds[0], storages, active, bounds[1:])
     if strict and overlaps:
         raise OverlapError(overlaps, policy=active.value)
 
@@ -483,7 +542,9 @@ def check_tensors(
     """Check the tensors of ``kv_caches`` as they are: each inside its storage and not touching
     an element twice, and none sharing a byte with another of its group (layers without a group
     share with none), across storage objects over the same memory too. Under strict, raises
-    ``BoundsError`` or ``OverlapError``; under warn, logs.
+    ``BoundsError`` or ``OverlapError``; under warn, logs. ``groups`` may name layers this call
+    does not get (a config's map of every layer); those keys are left aside. A layer missing
+    from ``groups`` shares with none, so a misspelt name can give a false overlap, never hide one.
     """
     active = current_policy(policy)
     kv_caches = _as_mapping(kv_caches, "kv_caches")
@@ -512,6 +573,7 @@ def check_tensors(
             )
     report = check_views(storages.records(), records, checks=active is not Policy.OFF)
     _report(report, storages, active, layers=len(kv_caches), source="check_tensors")
+    process.learn_layers(kv_caches)  # known memory for the process guard, when it is on
     return report
 
 

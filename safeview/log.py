@@ -17,7 +17,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import IO, TYPE_CHECKING, Any, Literal
 
@@ -200,6 +202,37 @@ def overlap_violation(finding: Finding, *, strict: bool, policy: str) -> None:
     )
 
 
+def unproven_write(
+    *,
+    strict: bool,
+    policy: str,
+    op: str,
+    name: str | None,
+    device: str,
+    storage_nbytes: int,
+    reason: str,
+    site: dict[str, Any],
+    message: str,
+) -> None:
+    """``unproven_write`` (ERROR under strict, WARNING under warn): ``sanitize()`` could not tell
+    whether an op grows a storage that other tensors use (``UnprovenWriteError``)."""
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    fields: dict[str, Any] = {
+        "event": "unproven_write",
+        "op": op,
+        "name": name,
+        "policy": policy,
+        "device": device,
+        "storage_nbytes": storage_nbytes,
+        "reason": reason,
+    }
+    fields.update(site)
+    fields["message"] = message
+    _emit(level, fields)
+
+
 def address_violation(finding: Finding, *, strict: bool, policy: str, source: str) -> None:
     """``address_violation`` (ERROR under strict, WARNING under warn): a descriptor for a transfer
     engine that misses the pages it must hit, or a region registered twice (a finding of
@@ -231,27 +264,236 @@ def address_violation(finding: Finding, *, strict: bool, policy: str, source: st
     )
 
 
+# The layout manifest of the registration being checked (the vLLM plugin derives one per
+# worker): its fingerprint and the file it was written to, for ``registration_checked``.
+_manifest: ContextVar[dict[str, Any] | None] = ContextVar("safeview_manifest", default=None)
+
+
+@contextmanager
+def manifest_of_registration(fingerprint: str, path: str | None) -> Iterator[None]:
+    """Inside the block, ``registration_checked`` also carries ``manifest_fingerprint`` and
+    ``manifest_path`` (``None`` when no file was written)."""
+    token = _manifest.set({"manifest_fingerprint": fingerprint, "manifest_path": path})
+    try:
+        yield
+    finally:
+        _manifest.reset(token)
+
+
+def coverage_violation(finding: Finding, *, strict: bool, policy: str, source: str) -> None:
+    """``coverage_violation`` (ERROR under strict, WARNING under warn): a layer to be transferred,
+    or part of one, in no descriptor prepared for its transfers (an ``unregistered`` finding)."""
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    _emit(
+        level,
+        {
+            "event": "coverage_violation",
+            "source": source,
+            "kind": finding.kind,
+            "layer": finding.layer,
+            "storage": finding.storage,
+            "byte_offset": finding.byte_offset,
+            "extent_bytes": finding.extent_bytes,
+            "pages_missing": finding.count,
+            "bytes_missing": finding.length_bytes,
+            "policy": policy,
+            "message": finding.message,
+        },
+    )
+
+
+def engine_failed(
+    event: Literal["registration_failed", "transfer_failed"],
+    *,
+    source: str,
+    engine: str,
+    status: object,
+    layers: Sequence[str],
+    regions: Sequence[tuple[int, int]],
+    policy: str,
+) -> None:
+    """``registration_failed`` and ``transfer_failed`` (WARNING): a transfer engine reported a
+    failure (raised, or returned a failure status) for a call through a guard; the failure
+    reaches the caller unchanged."""
+    if not stdlib_logger.isEnabledFor(logging.WARNING):
+        return
+    what = "registration" if event == "registration_failed" else "transfer"
+    named = ", ".join(repr(layer) for layer in layers) or "no known layer"
+    _emit(
+        logging.WARNING,
+        {
+            "event": event,
+            "source": source,
+            "engine": engine,
+            "status": status if isinstance(status, (int, str)) else repr(status),
+            "layers": list(layers),
+            "regions": [list(region) for region in regions],
+            "policy": policy,
+            "message": f"the {engine} reported a failed {what} ({source} gave {status!r}) of "
+            f"{len(regions)} region(s) of {named}",
+        },
+    )
+
+
+def failure_ignored(
+    *,
+    source: str,
+    failed: str,
+    status: object,
+    address: int,
+    length: int,
+    layers: Sequence[str],
+    strict: bool,
+    policy: str,
+) -> None:
+    """``failure_ignored`` (ERROR under strict, just before the raise; WARNING under warn): a call
+    that depends on a registration or transfer the engine reported failed."""
+    from safeview.errors import failure_ignored_message
+
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    _emit(
+        level,
+        {
+            "event": "failure_ignored",
+            "source": source,
+            "failed": failed,
+            "status": status if isinstance(status, (int, str)) else repr(status),
+            "address": address,
+            "length_bytes": length,
+            "layers": list(layers),
+            "policy": policy,
+            "message": failure_ignored_message(source, failed, status, address, length, layers),
+        },
+    )
+
+
 def registration_checked(report: Report, *, policy: str, layers: int, source: str) -> None:
     """``registration_checked`` (INFO): the summary of one whole registration, after its
     violations."""
     if not stdlib_logger.isEnabledFor(logging.INFO):
         return
     overlaps = sum(1 for f in report.findings if f.kind in ("overlap", "self_overlap"))
+    fields: dict[str, Any] = {
+        "event": "registration_checked",
+        "source": source,
+        "policy": policy,
+        "layers": layers,
+        "views": len(report.views),
+        "storages": len(report.storages),
+        "storage_nbytes": sum(report.storages.values()),
+        "bytes_covered": sum(view.nbytes for view in report.views),
+        "min_slack_bytes": report.min_slack_bytes(),
+        "overlaps": overlaps,
+        "violations": len(report.findings),
+        "checked": policy != "off",
+    }
+    fields.update(_manifest.get() or {})
+    _emit(logging.INFO, fields)
+
+
+def layout_checked(
+    *,
+    engine: str | None,
+    tp_rank: int,
+    tp_size: int,
+    remote_engine: str,
+    remote_tp_size: int | None,
+    when: str,
+    policy: str,
+    fingerprint: str,
+    against: str | None,
+    manifests: Sequence[str],
+    reason: str | None,
+    verdict: Literal["compatible", "not_judged"],
+    remote_fingerprints: Sequence[str] = (),
+    layers: int = 0,
+    findings: int = 0,
+) -> None:
+    """``layout_checked`` (INFO): the vLLM plugin judged whether a decode worker reads a prefill
+    engine's KV-cache bytes as that engine meant them (``safeview._vllm_layout``), and found
+    them compatible, or left the pair to vLLM (``not_judged``, with the reason)."""
+    if not stdlib_logger.isEnabledFor(logging.INFO):
+        return
     _emit(
         logging.INFO,
         {
-            "event": "registration_checked",
-            "source": source,
+            "event": "layout_checked",
+            "engine": engine,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "remote_engine": remote_engine,
+            "remote_tp_size": remote_tp_size,
+            "when": when,
             "policy": policy,
+            "fingerprint": fingerprint,
+            "against": against,
+            "manifests": list(manifests),
+            "reason": reason,
+            "remote_fingerprints": list(remote_fingerprints),
             "layers": layers,
-            "views": len(report.views),
-            "storages": len(report.storages),
-            "storage_nbytes": sum(report.storages.values()),
-            "bytes_covered": sum(view.nbytes for view in report.views),
-            "min_slack_bytes": report.min_slack_bytes(),
-            "overlaps": overlaps,
-            "violations": len(report.findings),
-            "checked": policy != "off",
+            "findings": findings,
+            "verdict": verdict,
+        },
+    )
+
+
+def layout_mismatch(
+    finding: Any,
+    *,
+    strict: bool,
+    refused: bool,
+    engine: str | None,
+    tp_rank: int,
+    tp_size: int,
+    remote_engine: str,
+    remote_tp_size: int | None,
+    when: str,
+    policy: str,
+    fingerprint: str,
+    against: str | None,
+    manifests: Sequence[str],
+    reason: str | None,
+    remote_fingerprints: Sequence[str],
+    layers: int,
+    findings: int,
+) -> None:
+    """``layout_mismatch`` (ERROR under strict, WARNING under warn): the two engines of a pair
+    read a byte differently; ``finding`` is the first diff ``Finding``."""
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    reads, wrote = finding.receiver_reads, finding.sender_wrote
+    _emit(
+        level,
+        {
+            "event": "layout_mismatch",
+            "engine": engine,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "remote_engine": remote_engine,
+            "remote_tp_size": remote_tp_size,
+            "when": when,
+            "policy": policy,
+            "fingerprint": fingerprint,
+            "against": against,
+            "manifests": list(manifests),
+            "reason": reason,
+            "remote_fingerprints": list(remote_fingerprints),
+            "layers": layers,
+            "findings": findings,
+            "verdict": "mismatch",
+            "kind": finding.kind,
+            "layer": finding.layer,
+            "byte": finding.byte,
+            "remote_tp_ranks": list(finding.sender_ranks),
+            "receiver_reads": None if reads is None else reads.words(),
+            "sender_wrote": None if wrote is None else wrote.words(),
+            "message": finding.message,
+            "action": "refused" if refused else "none",
         },
     )
 
@@ -292,6 +534,26 @@ def internal_error(*, where: str, error: BaseException) -> None:
             "error": f"{type(error).__name__}: {error}",
         },
     )
+
+
+def process_guard(
+    event: Literal["process_guard_started", "process_guard_stopped"],
+    *,
+    policy: str,
+    source: str | None,
+    watches: list[str] | None,
+    counts: dict[str, int] | None,
+) -> None:
+    """``process_guard_started`` (INFO, once per process: the policy, where it came from and the
+    entry points watched) and ``process_guard_stopped`` (INFO, at exit: what it did)."""
+    if not stdlib_logger.isEnabledFor(logging.INFO):
+        return
+    fields: dict[str, Any] = {"event": event, "policy": policy, "source": source}
+    if watches is not None:
+        fields["watches"] = watches
+    if counts is not None:
+        fields.update(counts)
+    _emit(logging.INFO, fields)
 
 
 def _view_fields(
@@ -475,5 +737,5 @@ def configure_from_env() -> None:
         raise ConfigError(ENV_LOG_FORMAT, raw, FORMATS)
     configure_logging(
         format,  # type: ignore[arg-type]
-        level=_level(os.environ.get(ENV_LOG_LEVEL, "info"), ENV_LOG_LEVEL),
+        level=_level(os.environ.get(ENV_LOG_LEVEL, "").strip() or "info", ENV_LOG_LEVEL),
     )

@@ -23,14 +23,25 @@ returned as it is.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
 from safeview import log
+from safeview.coverage import layers_in
+from safeview.errors import FailureIgnoredError
 from safeview.findings import Descriptor
 from safeview.policy import Policy, PolicyArg, current_policy
-from safeview.transfer import MemoryMap, _check, _enforce, _Registered, memory_map
+from safeview.transfer import (
+    Intent,
+    MemoryMap,
+    _check,
+    _enforce,
+    _intended,
+    _Registered,
+    memory_map,
+)
 
 __all__ = ["GuardedEngine", "guard"]
 
@@ -42,7 +53,7 @@ _NEEDS = (
     "batch_transfer_sync_write",
     "batch_transfer_sync_read",
 )
-_HOST = ("DRAM", None)  # Mooncake's buffers are addresses of one process: one memory
+_HOST = "DRAM"  # Mooncake's buffers are addresses of one process: one memory
 _reported: set[str] = set()
 
 
@@ -61,6 +72,7 @@ def guard(
     *,
     policy: PolicyArg | None = None,
     whole_pages: bool = True,
+    layers: Intent = None,
 ) -> Any:
     """A proxy of ``engine`` (a Mooncake ``TransferEngine``) that checks each transfer's local
     rows against ``registration`` (what ``safeview.kv.block_views`` or
@@ -70,13 +82,15 @@ def guard(
     Under strict a wrong row raises ``safeview.AddressError`` and the engine is not called;
     under warn each finding is an ``address_violation`` event and the call goes ahead; ``off``
     checks nothing. The policy is looked up at each call unless given here.
-    ``whole_pages=False`` lets rows be slices of one page.
+    ``whole_pages=False`` lets rows be slices of one page. ``layers``: which layer each local
+    row of a batch is meant for, as for ``safeview.nixl.guard``.
     """
     memory = memory_map(registration)
     if isinstance(engine, GuardedEngine):
         engine._safeview_memory = memory
         engine._safeview_policy = policy
         engine._safeview_whole_pages = whole_pages
+        engine._safeview_layers = layers
         return engine
     missing = [name for name in _NEEDS if not callable(getattr(engine, name, None))]
     if missing:
@@ -89,8 +103,13 @@ def guard(
                 reason=reason,
                 version=_version(),
             )
+            warnings.warn(
+                f"safeview.mooncake.guard left the engine unguarded: {reason}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return engine
-    return GuardedEngine(engine, memory, policy, whole_pages)
+    return GuardedEngine(engine, memory, policy, whole_pages, layers)
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str) -> Any:
@@ -107,13 +126,22 @@ class GuardedEngine:
     engine's own (``engine`` is the engine itself)."""
 
     def __init__(
-        self, engine: Any, memory: MemoryMap, policy: PolicyArg | None, whole_pages: bool
+        self,
+        engine: Any,
+        memory: MemoryMap,
+        policy: PolicyArg | None,
+        whole_pages: bool,
+        layers: Intent = None,
     ) -> None:
         self.engine = engine
+        self._safeview_layers = layers
         self._safeview_memory = memory
         self._safeview_policy = policy
         self._safeview_whole_pages = whole_pages
         self._safeview_registered = _Registered("Mooncake transfer engine")
+        # (address, length, the call, the status it returned) of failed registrations and reads
+        self._safeview_failed_registrations: list[tuple[int, int, str, Any]] = []
+        self._safeview_failed_reads: list[tuple[int, int, str, Any]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -129,9 +157,11 @@ class GuardedEngine:
     def _local(
         self, rows: Sequence[tuple[int, int]], active: Policy, source: str, writes: bool
     ) -> None:
+        memory = self._safeview_memory
         _check(
             rows,
-            self._safeview_memory,
+            memory,
+            layers=_intended(self._safeview_layers, memory, len(rows)),
             whole_pages=self._safeview_whole_pages,
             writes=writes,
             active=active,
@@ -168,52 +198,151 @@ class GuardedEngine:
     def _register(self, source: str, regions: list[Descriptor]) -> None:
         active = self._active()
         if active is not Policy.OFF:
-            found = self._safeview_registered.overlapping(_HOST, regions)
+            found = self._safeview_registered.overlapping([(_HOST, r) for r in regions])
             _enforce(found, active, source)
+
+    # -- failures the engine reports by its return codes -----------------------------------
+
+    def _local_rows(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: bool
+    ) -> list[tuple[int, int]]:
+        if batch:
+            buffers = _argument(args, kwargs, 1, "buffers")
+            lengths = _argument(args, kwargs, 3, "lengths")
+            return [(int(b), int(n)) for b, n in zip(buffers, lengths)]
+        return [
+            (int(_argument(args, kwargs, 1, "buffer")), int(_argument(args, kwargs, 3, "length")))
+        ]
+
+    def _depends(
+        self, source: str, rows: list[tuple[int, int]], reading: bool, active: Policy
+    ) -> None:
+        """Refuse (strict) or report (warn) a call whose local bytes an earlier failure left
+        unusable: memory whose registration failed (and no later one succeeded), or, for a
+        write, bytes whose read failed (and no later read succeeded)."""
+        failures = [f for f in self._safeview_failed_registrations if not self._registered_at(f)]
+        if not reading:
+            failures += self._safeview_failed_reads
+        for address, length in rows:
+            for low, size, failed, status in failures:
+                if address < low + size and low < address + length:
+                    layers = layers_in(self._safeview_memory, [(address, length)])
+                    strict = active is Policy.STRICT
+                    log.failure_ignored(
+                        source=source, failed=failed, status=status, address=address,
+                        length=length, layers=layers, strict=strict, policy=active.value,
+                    )  # fmt: skip
+                    if strict:
+                        raise FailureIgnoredError(
+                            source=source, failed=failed, status=status, address=address,
+                            length=length, layers=layers, policy=active.value,
+                        )  # fmt: skip
+                    return
+
+    def _registered_at(self, failure: tuple[int, int, str, Any]) -> bool:
+        low, size = failure[0], failure[1]
+        return any(
+            region.address <= low and low + size <= region.address + region.length_bytes
+            for _, region in self._safeview_registered.regions
+        )
+
+    def _outcome(self, source: str, rows: list[tuple[int, int]], reading: bool, status: Any) -> Any:
+        """After the engine returned ``status``: a failure is a ``transfer_failed`` event (the
+        status reaches the caller unchanged); a read's outcome marks or clears its bytes."""
+        active = self._active()
+        if active is Policy.OFF:
+            return status
+        failed = isinstance(status, int) and not isinstance(status, bool) and status < 0
+        if failed:
+            log.engine_failed(
+                "transfer_failed", source=source, engine="Mooncake transfer engine",
+                status=status, layers=layers_in(self._safeview_memory, rows), regions=rows,
+                policy=active.value,
+            )  # fmt: skip
+        if reading:
+            spans = set(rows)
+            self._safeview_failed_reads = [
+                f for f in self._safeview_failed_reads if (f[0], f[1]) not in spans
+            ]
+            if failed:
+                self._safeview_failed_reads += [(a, n, source, status) for a, n in rows]
+        return status
+
+    def _transfer(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, batch: bool,
+        reading: bool | None = None, status: bool = True,
+    ) -> Any:  # fmt: skip
+        """Check, call the engine's ``name``, and judge what it returned (``status=False``: an
+        asynchronous call, whose return value is a batch id, not a status)."""
+        source = f"mooncake.{name}"
+        if reading is None:
+            reading = _reads(_argument(args, kwargs, 4, "opcode"))
+        if batch:
+            self._batch(source, args, kwargs, reading=reading)
+        else:
+            self._one(source, args, kwargs)
+        active = self._active()
+        rows: list[tuple[int, int]] = []
+        if active is not Policy.OFF:
+            rows = self._local_rows(args, kwargs, batch)
+            self._depends(source, rows, reading, active)
+        result = getattr(self.engine, name)(*args, **kwargs)
+        return self._outcome(source, rows, reading, result) if status and rows else result
 
     # -- the engine's methods, checked ----------------------------------------------------
 
     def transfer_sync_write(self, *args: Any, **kwargs: Any) -> Any:
-        self._one("mooncake.transfer_sync_write", args, kwargs)
-        return self.engine.transfer_sync_write(*args, **kwargs)
+        return self._transfer("transfer_sync_write", args, kwargs, batch=False, reading=False)
 
     def transfer_sync_read(self, *args: Any, **kwargs: Any) -> Any:
-        self._one("mooncake.transfer_sync_read", args, kwargs)
-        return self.engine.transfer_sync_read(*args, **kwargs)
+        return self._transfer("transfer_sync_read", args, kwargs, batch=False, reading=True)
 
     def transfer_sync(self, *args: Any, **kwargs: Any) -> Any:
-        self._one("mooncake.transfer_sync", args, kwargs)
-        return self.engine.transfer_sync(*args, **kwargs)
+        return self._transfer("transfer_sync", args, kwargs, batch=False)
 
     def transfer_submit_write(self, *args: Any, **kwargs: Any) -> Any:
-        self._one("mooncake.transfer_submit_write", args, kwargs)
-        return self.engine.transfer_submit_write(*args, **kwargs)
+        return self._transfer(
+            "transfer_submit_write", args, kwargs, batch=False, reading=False, status=False
+        )
 
     def batch_transfer_sync_write(self, *args: Any, **kwargs: Any) -> Any:
-        self._batch("mooncake.batch_transfer_sync_write", args, kwargs, reading=False)
-        return self.engine.batch_transfer_sync_write(*args, **kwargs)
+        return self._transfer("batch_transfer_sync_write", args, kwargs, batch=True, reading=False)
 
     def batch_transfer_sync_read(self, *args: Any, **kwargs: Any) -> Any:
-        self._batch("mooncake.batch_transfer_sync_read", args, kwargs, reading=True)
-        return self.engine.batch_transfer_sync_read(*args, **kwargs)
+        return self._transfer("batch_transfer_sync_read", args, kwargs, batch=True, reading=True)
 
     def batch_transfer_async_write(self, *args: Any, **kwargs: Any) -> Any:
-        self._batch("mooncake.batch_transfer_async_write", args, kwargs, reading=False)
-        return self.engine.batch_transfer_async_write(*args, **kwargs)
+        return self._transfer(
+            "batch_transfer_async_write", args, kwargs, batch=True, reading=False, status=False
+        )
 
     def batch_transfer_async_read(self, *args: Any, **kwargs: Any) -> Any:
-        self._batch("mooncake.batch_transfer_async_read", args, kwargs, reading=True)
-        return self.engine.batch_transfer_async_read(*args, **kwargs)
+        return self._transfer(
+            "batch_transfer_async_read", args, kwargs, batch=True, reading=True, status=False
+        )
 
     def batch_transfer_sync(self, *args: Any, **kwargs: Any) -> Any:
-        reading = _reads(_argument(args, kwargs, 4, "opcode"))
-        self._batch("mooncake.batch_transfer_sync", args, kwargs, reading=reading)
-        return self.engine.batch_transfer_sync(*args, **kwargs)
+        return self._transfer("batch_transfer_sync", args, kwargs, batch=True)
 
     def batch_transfer_async(self, *args: Any, **kwargs: Any) -> Any:
-        reading = _reads(_argument(args, kwargs, 4, "opcode"))
-        self._batch("mooncake.batch_transfer_async", args, kwargs, reading=reading)
-        return self.engine.batch_transfer_async(*args, **kwargs)
+        return self._transfer("batch_transfer_async", args, kwargs, batch=True, status=False)
+
+    def _registration(self, source: str, regions: list[Descriptor], status: Any) -> None:
+        """After a registration: on success remember its regions; on a failure status, an event
+        and the regions as failed (a later transfer from them depends on it)."""
+        if status == 0:
+            self._safeview_registered.add((_HOST, r) for r in regions)
+            return
+        active = self._active()
+        if active is Policy.OFF:
+            return
+        spans = [(r.address, r.length_bytes) for r in regions]
+        log.engine_failed(
+            "registration_failed", source=source, engine="Mooncake transfer engine",
+            status=status, layers=layers_in(self._safeview_memory, spans), regions=spans,
+            policy=active.value,
+        )  # fmt: skip
+        self._safeview_failed_registrations += [(a, n, source, status) for a, n in spans if n]
 
     def register_memory(self, *args: Any, **kwargs: Any) -> Any:
         address = _argument(args, kwargs, 0, "buffer_addr")
@@ -221,8 +350,7 @@ class GuardedEngine:
         regions = [Descriptor(0, int(address), int(capacity))]
         self._register("mooncake.register_memory", regions)
         result = self.engine.register_memory(*args, **kwargs)
-        if result == 0:
-            self._safeview_registered.add(_HOST, regions)
+        self._registration("mooncake.register_memory", regions, result)
         return result
 
     def batch_register_memory(self, *args: Any, **kwargs: Any) -> Any:
@@ -234,15 +362,14 @@ class GuardedEngine:
         ]
         self._register("mooncake.batch_register_memory", regions)
         result = self.engine.batch_register_memory(*args, **kwargs)
-        if result == 0:
-            self._safeview_registered.add(_HOST, regions)
+        self._registration("mooncake.batch_register_memory", regions, result)
         return result
 
     def unregister_memory(self, *args: Any, **kwargs: Any) -> Any:
         address = _argument(args, kwargs, 0, "arg0")
         result = self.engine.unregister_memory(*args, **kwargs)
         if result == 0:
-            self._safeview_registered.remove(_HOST, int(address))
+            self._safeview_registered.remove(_HOST, Descriptor(0, int(address), 0), any_length=True)
         return result
 
     def batch_unregister_memory(self, *args: Any, **kwargs: Any) -> Any:
@@ -250,5 +377,7 @@ class GuardedEngine:
         result = self.engine.batch_unregister_memory(*args, **kwargs)
         if result == 0:
             for address in addresses:
-                self._safeview_registered.remove(_HOST, int(address))
+                self._safeview_registered.remove(
+                    _HOST, Descriptor(0, int(address), 0), any_length=True
+                )
         return result

@@ -78,7 +78,9 @@ def _env_policy() -> Policy:
     global _from_env
     if _from_env is None:
         raw = os.environ.get(ENV_POLICY)
-        _from_env = Policy.STRICT if raw is None else coerce_policy(raw, source=ENV_POLICY)
+        # set to nothing (or blanks) is unset, as for every SAFEVIEW_* variable
+        unset = raw is None or not raw.strip()
+        _from_env = Policy.STRICT if unset else coerce_policy(raw, source=ENV_POLICY)
     return _from_env
 
 

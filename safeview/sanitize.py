@@ -1,15 +1,16 @@
 """``sanitize()``: check every view that code we do not own makes, before it is made.
 
-Inside ``with safeview.sanitize() as seen:`` a dispatch mode (``safeview._torch.ViewGuard``, the
-same idea as torch's CUDA stream sanitizer) sees every aten op. What an op does to memory is read
-from its schema (``safeview._torch`` says how): an op that places a tensor on a storage
-(``set_``, ``set``, ``as_strided``, ``as_strided_``) is judged before it runs; an op that would
-grow a storage other tensors use (``resize_``, ``resize_as_``, an ``out=`` tensor of the wrong
-size, whatever the op) is judged before it runs, on meta copies of its arguments; a view op
-(``view``, ``_reshape_alias``, ``slice``, ...) is judged on the view it returns, before the caller
-gets it. ``strict`` raises ``BoundsError`` (the storage is never reallocated and no view past its
-end reaches the caller); ``warn`` emits ``bounds_violation`` and lets the op run; ``off``
-installs nothing. Every other op, and every correct view, runs as it would without it.
+Inside ``with safeview.sanitize() as seen:`` a dispatch mode (``ViewGuard`` of
+``safeview._torch_dispatch``, the same idea as torch's CUDA stream sanitizer) sees every aten op.
+What an op does to memory is read from its schema (``_torch_dispatch`` says how): an op that places
+a tensor on a storage (``set_``, ``set``, ``as_strided``, ``as_strided_``) is judged before it
+runs; an op that would grow a storage other tensors use (``resize_``, ``resize_as_``, an ``out=``
+tensor of the wrong size, whatever the op) is judged before it runs, on meta copies of its
+arguments; a view op (``view``, ``_reshape_alias``, ``slice``, ...) is judged on the view it
+returns, before the caller gets it. ``strict`` raises ``BoundsError`` (the storage is never
+reallocated and no view past its end reaches the caller); ``warn`` emits ``bounds_violation`` and
+lets the op run; ``off`` installs nothing. Every other op, and every correct view, runs as it would
+without it.
 
 Sanitizers belong to the context that opened them: a thread, and within a thread an asyncio task
 (``contextvars``). One guard is installed per thread while any sanitizer is open in it; an op is
@@ -35,8 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from safeview import _arith, log
+from safeview._piece_index import PieceIndex
 from safeview.check import Report, StorageRecord, ViewRecord, bounds, check_views, pieces
-from safeview.errors import ArgumentError, BoundsError, OverlapError
+from safeview.errors import ArgumentError, BoundsError, OverlapError, UnprovenWriteError
 from safeview.findings import Finding
 from safeview.plan import Plan
 from safeview.policy import Policy, PolicyArg, current_policy
@@ -44,7 +46,7 @@ from safeview.policy import Policy, PolicyArg, current_policy
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from safeview._torch import Op, ViewGuard
+    from safeview._torch_dispatch import Op, ViewGuard
 
 __all__ = ["Sanitizer", "SeenView", "sanitize"]
 
@@ -77,8 +79,12 @@ class SeenView(NamedTuple):
     @property
     def site(self) -> str:
         """``dir/file.py:line in function``, the last two parts of the path."""
-        parts = Path(self.file).parts[-2:]
-        return f"{os.path.join(*parts)}:{self.line} in {self.function}"
+        return _site_text(self.file, self.line, self.function)
+
+
+def _site_text(file: str, line: int, function: str) -> str:
+    parts = Path(file).parts[-2:]
+    return f"{os.path.join(*parts)}:{line} in {function}"
 
 
 # The sanitizers open in the current context, innermost last.
@@ -141,9 +147,9 @@ def _on_error(error: BaseException) -> None:
 def _install() -> _ThreadGuard:
     state = _this_thread()
     if state.guard is None:
-        from safeview import _torch  # torch is needed only once a sanitizer is entered
+        from safeview import _torch_dispatch  # torch is needed only once a sanitizer is entered
 
-        guard = _torch.ViewGuard(_active, _on_view, _on_error, _on_alias, _tracks)
+        guard = _torch_dispatch.ViewGuard(_active, _on_view, _on_error, _on_alias, _tracks)
         guard.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
         state.guard = guard
     state.users += 1
@@ -156,12 +162,12 @@ def _uninstall(state: _ThreadGuard) -> None:
         # still in use, or closed from another thread than the one it guards: a mode can be
         # popped only in its own thread, so it stays there, idle, for that thread's next use
         return
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    from safeview import _torch_dispatch
 
     # Only the top of the mode stack can be popped: if other code pushed a mode of its own
     # above ours and has not popped it yet, ours stays, idle (it judges nothing outside a
     # sanitizer), and is used again by the next sanitizer of this thread.
-    if _get_current_dispatch_mode() is state.guard:
+    if _torch_dispatch.is_current(state.guard):
         guard, state.guard = state.guard, None
         guard.__exit__(None, None, None)  # type: ignore[no-untyped-call,unused-ignore]
 
@@ -190,7 +196,9 @@ class Sanitizer:
         self._entries: list[tuple[Token[tuple[Sanitizer, ...]] | None, _ThreadGuard | None]] = []
         self._layer_of: _LayerOf | None = None
         self._groups: Mapping[str, Hashable] = groups or {}
-        self._attributed: dict[Hashable, list[tuple[str, str, list[_arith.Blocks]]]] = {}
+        self._attributed: _Attributed = {}
+        self._owners: dict[int, str | None] = {}
+        self._spans: dict[int, list[tuple[int, int, str]]] = {}
 
     # -- as a context manager and a decorator -------------------------------------------------
 
@@ -198,7 +206,8 @@ class Sanitizer:
         if not self._entries:
             self.policy = current_policy(self._policy_arg)
             if self._layers_arg is not None and self.policy is not Policy.OFF:
-                self._layer_of = _layer_map(self._layers_arg)
+                known = _known_layers(self._layers_arg, self._groups)
+                self._layer_of, self._owners, self._attributed, self._spans = known
         if self.policy is Policy.OFF:
             self._entries.append((None, None))
             return self
@@ -241,6 +250,9 @@ class Sanitizer:
     # -- what the guard hands over ------------------------------------------------------------
 
     def _on_view(self, op: Op, sanitizers: Sequence[Sanitizer]) -> None:
+        if op.unproven is not None:
+            self._on_unproven(op)
+            return
         try:
             seen, found = self._judge(op)
         except Exception as error:  # a failure of ours never stops the host's op
@@ -283,6 +295,36 @@ class Sanitizer:
             )
         raise OverlapError(overlaps, policy=self.policy.value)
 
+    def _on_unproven(self, op: Op) -> None:
+        """An op that writes into a shared storage and whose effect on it could not be worked
+        out: an ``unproven_write`` event, and under strict ``UnprovenWriteError`` before it
+        runs."""
+        strict = self.policy is Policy.STRICT
+        facts = op.storage
+        file, line, function = op.site
+        error = UnprovenWriteError(
+            op=op.op,
+            storage_nbytes=facts.nbytes,
+            device=facts.device,
+            policy=self.policy.value,
+            reason=op.unproven or "",
+            site=_site_text(file, line, function),
+            name=self._owners.get(facts.key),
+        )
+        log.unproven_write(
+            strict=strict,
+            policy=self.policy.value,
+            op=op.op,
+            name=error.name,
+            device=facts.device,
+            storage_nbytes=facts.nbytes,
+            reason=error.reason,
+            site={"file": file, "line": line, "function": function},
+            message=str(error),
+        )
+        if strict:
+            raise error
+
     def _on_alias(self, source: Any, result: Any) -> None:
         layer_of = self._layer_of
         if layer_of is None or source is None:
@@ -315,8 +357,13 @@ class Sanitizer:
             else _arith.extent_bytes(op.byte_offset, op.shape, op.strides, op.itemsize)
         )
         layer = None
-        if self._layer_of is not None and op.source is not None:
-            layer = self._layer_of.get(op.source)
+        if self._layer_of is not None:
+            if op.source is not None:
+                layer = self._layer_of.get(op.source)
+            if layer is None:
+                # made from a bare storage, or from a tensor it was not told of: the layer
+                # whose cache the storage is, when exactly one known layer's is
+                layer = self._owners.get(facts.key)
         file, line, function = op.site
         seen = SeenView(
             op.op,
@@ -343,15 +390,35 @@ class Sanitizer:
             # caller asks for is held to the empty-view rule.
             return seen, []
         found = bounds(
-            None,
+            layer,
             storage=None,
             byte_offset=op.byte_offset,
             extent_bytes=extent,
             storage_nbytes=facts.nbytes,
         )
+        if found and layer is None and self._spans:
+            named = self._starts_in(facts.key, op.byte_offset)
+            if named is not None:
+                found = bounds(
+                    named,
+                    storage=None,
+                    byte_offset=op.byte_offset,
+                    extent_bytes=extent,
+                    storage_nbytes=facts.nbytes,
+                )
         if not found and layer is not None and extent > op.byte_offset:
             found = self._aliasing(seen, layer, len(self.views) - 1)
         return seen, found
+
+    def _starts_in(self, storage_key: int, byte_offset: int) -> str | None:
+        """The one known layer whose cache holds byte ``byte_offset`` of the storage: the name
+        a view placed there from the bare storage is reported under."""
+        names = {
+            layer
+            for start, end, layer in self._spans.get(storage_key, ())
+            if start <= byte_offset < end
+        }
+        return names.pop() if len(names) == 1 else None
 
     def _aliasing(self, seen: SeenView, layer: str, index: int) -> list[Finding]:
         """An ``overlap`` finding when this view, made from ``layer``'s cache, shares a byte with
@@ -371,25 +438,21 @@ class Sanitizer:
         except ArgumentError:
             return []
         key = memory.memory if memory.memory is not None else ("storage", seen.storage)
-        earlier = self._attributed.setdefault((key, group), [])
-        found = []
-        for other_layer, other_name, other_pieces in earlier:
-            if other_layer == layer:
-                continue
-            byte = _first_shared(mine, other_pieces)
-            if byte is not None:
-                found.append(
-                    Finding.overlap(
-                        other_name,
-                        record.name,
-                        storage=seen.storage,
-                        byte=byte - memory.base,
-                        group=group,
-                    )
-                )
-                break
-        earlier.append((layer, record.name, mine))
-        return found
+        earlier = self._attributed.get((key, group))
+        if earlier is None:
+            earlier = self._attributed[(key, group)] = PieceIndex()
+        # the first view or cache tensor of another layer, in the order they came, that shares
+        # a byte with this one: the index tries only those that can
+        shared = earlier.first_overlap(layer, mine)
+        earlier.add(layer, record.name, mine)
+        if shared is None:
+            return []
+        other_name, byte = shared
+        return [
+            Finding.overlap(
+                other_name, record.name, storage=seen.storage, byte=byte - memory.base, group=group
+            )
+        ]
 
     # -- afterwards ---------------------------------------------------------------------------
 
@@ -452,16 +515,6 @@ def _label(index: int, seen: SeenView) -> str:
     return f"{layer}view{index} ({seen.op} at {seen.site})"
 
 
-def _first_shared(first: Sequence[_arith.Blocks], second: Sequence[_arith.Blocks]) -> int | None:
-    lowest = None
-    for a in first:
-        for b in second:
-            byte = _arith.shared_byte(a, b)
-            if byte is not None and (lowest is None or byte < lowest):
-                lowest = byte
-    return lowest
-
-
 class _LayerOf:
     """Tensor -> the layer it was made from, by identity (a tensor's ``==`` compares values),
     holding no tensor alive."""
@@ -485,23 +538,80 @@ class _LayerOf:
         return entry[1]
 
 
-def _layer_map(layers: Mapping[str, Any]) -> _LayerOf:
+_Attributed = dict[Hashable, PieceIndex]
+
+
+class _KnownLayers(NamedTuple):
+    layer_of: _LayerOf  # each cache tensor's layer, by identity
+    owners: dict[int, str | None]  # storage key -> the one layer whose cache it is, else None
+    attributed: _Attributed  # (memory, group) -> each layer's own bytes, as pieces, indexed
+    spans: dict[int, list[tuple[int, int, str]]]  # storage key -> (first, end byte, layer)
+
+
+def _known_layers(layers: Mapping[str, Any], groups: Mapping[str, Hashable]) -> _KnownLayers:
+    """What a sanitizer told the layers knows of them: each cache tensor's layer (by identity),
+    the layer whose cache each storage is (``None`` where several layers' are), the byte range
+    of each tensor, and, per memory and group, the bytes each layer's own tensors cover, so that
+    a view of another layer is judged against them from the first view on.
+
+    A layer's tensors are attributed to the layer that owns those bytes by group membership: a
+    layer in no group whose tensor is one of a grouped layer's (the same object, or the same
+    storage, offset, shape, strides and dtype: vLLM's cross-layer KV sharing hands a layer its
+    target's cache) is that layer's alias, and neither takes its name nor hides its bytes."""
     if not isinstance(layers, Mapping):
         raise ArgumentError(
             "layers must map each layer's name to its cache tensor (or a list of tensors); "
             f"got {type(layers).__name__}"
         )
+    from safeview import _torch
+
     found = _LayerOf()
-    for name, value in layers.items():
+    owner_of_bytes: dict[tuple[Any, ...], str] = {}
+    storage_layers: dict[int, set[str]] = {}
+    attributed: _Attributed = {}
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    # grouped layers first: they own the bytes they share with a layer in no group
+    ordered = sorted(layers.items(), key=lambda item: item[0] not in groups)
+    for name, value in ordered:
+        layer = str(name)
+        group = groups.get(layer)
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
-            try:
-                found[tensor] = str(name)
-            except TypeError:
+            if not _torch.is_strided_tensor(tensor):
                 raise ArgumentError(
                     f"layers[{name!r}] must be a tensor or a list of tensors; "
                     f"got {type(tensor).__name__}"
-                ) from None
-    return found
+                )
+            storage = tensor.untyped_storage()
+            facts = _torch.storage_facts(storage)
+            byte_offset, shape, strides, itemsize = _torch.geometry(tensor)
+            key = (facts.key, byte_offset, shape, strides, tensor.dtype)
+            owner = owner_of_bytes.setdefault(key, layer)
+            if group is not None:
+                owner = layer  # two grouped layers on one tensor: each keeps its name
+            if found.get(tensor) is None:
+                found[tensor] = owner
+            storage_layers.setdefault(facts.key, set()).add(owner)
+            end = _arith.extent_bytes(byte_offset, shape, strides, itemsize)
+            spans.setdefault(facts.key, []).append((byte_offset, end, owner))
+            if group is None:
+                continue
+            record = ViewRecord(
+                f"{layer}: its cache tensor", "", byte_offset, shape, strides, itemsize
+            )
+            if _arith.self_overlap(shape, strides) is not None:
+                continue  # not a layout whose bytes can be told apart: judged by check_tensors
+            try:
+                mine = [part._replace(offset=part.offset + facts.base) for part in pieces(record)]
+            except ArgumentError:
+                continue
+            index = attributed.get((facts.memory, group))
+            if index is None:
+                index = attributed[(facts.memory, group)] = PieceIndex()
+            index.add(layer, record.name, mine)
+    owners = {
+        key: next(iter(names)) if len(names) == 1 else None for key, names in storage_layers.items()
+    }
+    return _KnownLayers(found, owners, attributed, spans)
 
 
 def _geometry(seen: SeenView) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import (
     SupportsIndex,
     TypeAlias,
     TypeVar,
+    cast,
     get_args,
     overload,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "DTypeName",
     "Layout",
     "Region",
+    "SpecError",
     "StridedLayout",
     "packed_layouts",
     "region_span",
@@ -158,11 +160,87 @@ def field_error(
     )
 
 
-class Spec(BaseModel):
-    """Base of safeview's models: frozen, no unknown keys, integers strictly, and ``model_copy``
-    validates its changes (pydantic's own does not, and the derived numbers are cached)."""
+class SpecError(ArgumentError, ValidationError):
+    """A field of a safeview model (``BlockLayout``, ``StridedLayout``, ``Region``, ``Plan``,
+    ``LayerSpec``) given a value it refuses: a ``SafeViewError`` (and an ``ArgumentError``) that
+    is also pydantic's ``ValidationError``, with the same ``errors()``, each naming the field
+    (``loc``), the value (``input``) and the rule or limit it breaks (``msg``)."""
+
+
+def _line_error(found: Any) -> Any:
+    """One of pydantic's error dictionaries as what builds it again: its own kind and context
+    where pydantic knows the kind, else a custom error with the same kind and message."""
+    line: Any = {"type": found["type"], "loc": found["loc"], "input": found["input"]}
+    if found.get("ctx"):
+        line["ctx"] = found["ctx"]
+    try:
+        ValidationError.from_exception_data("check", [line])
+    except Exception:  # a kind of safeview's own (pages_overlap, ...), or a context it rebuilds
+        message = found["msg"].replace("{", "{{").replace("}", "}}")
+        line = {"type": PydanticCustomError(found["type"], message), "loc": found["loc"],
+                "input": found["input"]}  # fmt: skip
+    return line
+
+
+def spec_error(error: ValidationError) -> SpecError:
+    """pydantic's ``ValidationError`` from a safeview model as a ``SpecError``."""
+    if isinstance(error, SpecError):
+        return error
+    return SpecError.from_exception_data(
+        error.title, [_line_error(found) for found in error.errors(include_url=False)]
+    )
+
+
+if TYPE_CHECKING:
+    from pydantic._internal._model_construction import ModelMetaclass as _ModelMetaclass
+else:
+    _ModelMetaclass = type(BaseModel)
+
+
+class _Checked(_ModelMetaclass):
+    """The constructor of safeview's models: fields may be given in their declared order
+    (``BlockLayout(4, 16, 16)``), and a refused value is a ``SpecError``."""
+
+    def __call__(cls, /, *args: Any, **fields: Any) -> Any:  # noqa: N805
+        if args:
+            names = list(cast("type[BaseModel]", cls).model_fields)
+            if len(args) > len(names):
+                raise ArgumentError(
+                    f"{cls.__name__} takes at most {len(names)} positional arguments "
+                    f"({', '.join(names)}); got {len(args)}"
+                )
+            for name, value in zip(names, args):
+                if name in fields:
+                    raise ArgumentError(
+                        f"{cls.__name__}: {name} given twice, by position and by name"
+                    )
+                fields[name] = value
+        try:
+            return super().__call__(**fields)
+        except ValidationError as error:
+            raise spec_error(error) from None
+
+
+class Spec(BaseModel, metaclass=_Checked):
+    """Base of safeview's models: frozen, no unknown keys, integers strictly, fields by name or
+    in order, refusals as ``SpecError``, and ``model_copy`` validates its changes (pydantic's
+    own does not, and the derived numbers are cached)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **options: Any) -> Self:
+        try:
+            return super().model_validate(obj, **options)
+        except ValidationError as error:
+            raise spec_error(error) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **options: Any) -> Self:
+        try:
+            return super().model_validate_json(json_data, **options)
+        except ValidationError as error:
+            raise spec_error(error) from None
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         fields = {name: getattr(self, name) for name in type(self).model_fields}
@@ -190,7 +268,7 @@ _MAX_INTERNED = 4_096
 _UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<unset>"})()
 
 
-class _Interned(type(BaseModel)):  # type: ignore[misc]
+class _Interned(_Checked):
     """Builds ``BlockLayout`` without pydantic's machinery when every value is a plain ``int``,
     and hands the same frozen instance back for values it has built before.
 
@@ -204,15 +282,28 @@ class _Interned(type(BaseModel)):  # type: ignore[misc]
     a dictionary look-up and gets the same frozen instance from then on."""
 
     def __call__(
-        cls,
-        /,
-        *args: Any,
+        cls,  # noqa: N805
         num_blocks: Any = _UNSET,
         page_bytes: Any = _UNSET,
         block_stride_bytes: Any = _UNSET,
         byte_offset: Any = _UNSET,
+        *args: Any,
         **extra: Any,
     ) -> Any:
+        # the fields by name or in their declared order
+        last = _LAST[0]
+        if (
+            # the very objects of the last look-up that found a layout (a loop that rebuilds
+            # the same values from the same variables): the same values, ints all
+            num_blocks is last[0]
+            and page_bytes is last[1]
+            and block_stride_bytes is last[2]
+            and byte_offset is last[3]
+            and cls is BlockLayout
+            and not args
+            and not extra
+        ):
+            return last[4]
         if (
             type(num_blocks) is int
             and type(page_bytes) is int
@@ -225,6 +316,7 @@ class _Interned(type(BaseModel)):  # type: ignore[misc]
             key = (num_blocks, page_bytes, block_stride_bytes, byte_offset)
             layout = _INTERNED.get(key)
             if layout is not None:
+                _LAST[0] = (*key, layout)
                 return layout
             # New values: BlockLayout's rules, as its fields and validator state them; a value
             # any of them refuses goes on to pydantic below, for pydantic's own error.
@@ -243,7 +335,7 @@ class _Interned(type(BaseModel)):  # type: ignore[misc]
                     # built as validation builds it: the same fields, derived numbers, set of
                     # given fields, no extra and no private attributes
                     layout = _new_layout(BlockLayout)
-                    _set(layout, "__dict__", {
+                    _set_dict(layout, {
                         "num_blocks": num_blocks,
                         "page_bytes": page_bytes,
                         "block_stride_bytes": block_stride_bytes,
@@ -253,22 +345,26 @@ class _Interned(type(BaseModel)):  # type: ignore[misc]
                         "extent_bytes": end,
                         "element_offset": offset,
                     })  # fmt: skip
-                    _set(layout, "__pydantic_fields_set__", (
+                    _set_fields_set(layout, (
                         _GIVEN_FOUR if byte_offset is not _UNSET else _GIVEN_THREE
                     ).copy())  # fmt: skip
-                    _set(layout, "__pydantic_extra__", None)
-                    _set(layout, "__pydantic_private__", None)
+                    _set_extra(layout, None)
+                    _set_private(layout, None)
                     # Remembered from its second build on: values built once (a per-layer
                     # loop) leave no object behind for the cyclic collector to scan again and
                     # again; values built again (a loop that rebuilds them) are looked up.
-                    if key in _SEEN:
+                    # Values seen once are kept as the hash of their key: an int, which the
+                    # collector does not track (a kept tuple starts a collection every few
+                    # hundred layouts); two keys of one hash only get remembered a build early.
+                    seen = hash(key)
+                    if seen in _SEEN:
                         if len(_INTERNED) >= _MAX_INTERNED:
                             _INTERNED.clear()  # cheaper than evicting one by one: a cache
                         _INTERNED[key] = layout
                     else:
                         if len(_SEEN) >= _MAX_INTERNED:
                             _SEEN.clear()
-                        _SEEN.add(key)
+                        _SEEN.add(seen)
                     return layout
         given = {
             field: value
@@ -280,13 +376,25 @@ class _Interned(type(BaseModel)):  # type: ignore[misc]
             )
             if value is not _UNSET
         }
-        return super().__call__(*args, **given, **extra)
+        if args:
+            raise ArgumentError(
+                f"{cls.__name__} takes at most 4 positional arguments (num_blocks, page_bytes, "
+                f"block_stride_bytes, byte_offset); got {4 + len(args)}"
+            )
+        return super().__call__(**given, **extra)
 
 
 _INTERNED: dict[tuple[int, int, int, int], Any] = {}
-_SEEN: set[tuple[int, int, int, int]] = set()  # values built once, not remembered yet
+# The arguments and layout of the last look-up that found one; none to start with.
+_LAST: list[tuple[Any, ...]] = [(_UNSET, _UNSET, _UNSET, object(), None)]
+_SEEN: set[int] = set()  # hashes of the values built once, not remembered yet
 _new_layout = object.__new__
-_set = object.__setattr__
+# BaseModel's own slots, set through their descriptors: what object.__setattr__ finds, less the
+# look-up
+_set_dict = BaseModel.__dict__["__dict__"].__set__
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 _GIVEN_THREE = {"num_blocks", "page_bytes", "block_stride_bytes"}
 _GIVEN_FOUR = {*_GIVEN_THREE, "byte_offset"}
 
@@ -316,7 +424,6 @@ class BlockLayout(Spec, metaclass=_Interned):
         # What the constructor accepts, for type checkers: any integer scalar.
         def __init__(
             self,
-            *,
             num_blocks: SupportsIndex,
             page_bytes: SupportsIndex,
             block_stride_bytes: SupportsIndex,
@@ -400,7 +507,6 @@ class StridedLayout(Spec):
 
         def __init__(
             self,
-            *,
             shape: Sequence[SupportsIndex],
             strides: Sequence[SupportsIndex],
             byte_offset: SupportsIndex = 0,
@@ -493,7 +599,7 @@ class Region(Spec):
 
     if TYPE_CHECKING:
 
-        def __init__(self, *, start_byte: SupportsIndex, end_byte: SupportsIndex) -> None: ...
+        def __init__(self, start_byte: SupportsIndex, end_byte: SupportsIndex) -> None: ...
 
     @model_validator(mode="before")
     @classmethod

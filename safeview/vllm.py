@@ -8,7 +8,9 @@ checks them: bounds, each view against itself, and aliasing within each KV-cache
 every process before any KV connector exists; it wraps ``KVConnectorFactory.create_connector`` so
 that each connector's ``register_kv_caches`` first runs ``check_registration`` (or, with no
 ``KVCacheConfig`` known, the group-aware tensor check), then the connector's own method under
-``sanitize()``. ``SAFEVIEW_VLLM=0`` turns it off. vLLM is imported only when one of these runs.
+``sanitize()``. Each worker's layout manifest is derived there too, and a NIXL decode worker
+judges every prefill engine it meets, in the handshake (``safeview._vllm_layout``).
+``SAFEVIEW_VLLM=0`` turns it off. vLLM is imported only when one of these runs.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import os
 from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from safeview import _torch, log
+from safeview import _torch, _vllm_layout, log, process
 from safeview.check import check_views
-from safeview.errors import ArgumentError, BoundsError, OverlapError
+from safeview.errors import ArgumentError, BoundsError, CoverageError, OverlapError
 from safeview.kv import Registration, _Planned, _register, _report, check_tensors
 from safeview.policy import Policy, PolicyArg, current_policy
 from safeview.sanitize import sanitize
@@ -251,6 +253,12 @@ def _check_before_registration(connector: Any, kv_caches: Any, config: Any, acti
             planned.storages.records(), planned.records, checks=active is not Policy.OFF
         )
         _report(report, planned.storages, active, layers=len(page_bytes), source="vllm")
+        if not report.findings:  # every layer whole in the views (safeview._vllm_offload)
+            from safeview._vllm_offload import check_offloading_coverage
+
+            check_offloading_coverage(
+                planned, lambda: _nixl_allocation(kv_caches, config), config, active
+            )
     else:
         # any other connector: the allocation it is handed (each layer in bounds, no two layers
         # of one group on the same bytes); its own views are judged as it makes them
@@ -271,9 +279,13 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
             if active is Policy.OFF:
                 return original(kv_caches, *args, **kwargs)
             config = kv_cache_config or getattr(connector, "_kv_cache_config", None)
-            groups = _check_before_registration(connector, kv_caches, config, active)
+            # the layout manifest (never raises): its fingerprint goes into the summary
+            layout = _vllm_layout.at_registration(connector, kv_caches, config, active)
+            with layout.in_summary():
+                groups = _check_before_registration(connector, kv_caches, config, active)
             guard = sanitize(active, layers=kv_caches, groups=groups)
-        except (BoundsError, OverlapError):
+            process.learn_layers(kv_caches)  # raw addresses in them are judged (SAFEVIEW_GUARD)
+        except (BoundsError, OverlapError, CoverageError):
             raise  # a finding, under strict: the start-up stops with its numbers
         except Exception as error:  # safeview's own failure, or a vLLM it does not know
             _step_aside("register_kv_caches left unchecked", f"{type(error).__name__}: {error}")
@@ -281,7 +293,9 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
         # the transfer engine's agent first, so that the sanitizer does not see safeview's own
         # guarding of it
         with _guard_nixl_agents(connector, kv_caches, config, active), guard:
-            return original(kv_caches, *args, **kwargs)
+            registered = original(kv_caches, *args, **kwargs)
+        layout.registered()  # judge each P/D pair when D meets P (never raises)
+        return registered
 
     setattr(register_kv_caches, _PATCHED, True)
     connector.register_kv_caches = register_kv_caches
@@ -452,7 +466,7 @@ class _NixlAgentsGuarded:
             workers = _nixl_workers(self.connector)
             if not workers:
                 return
-            from safeview.nixl import guard
+            from safeview._vllm_nixl import guard_worker
 
             allocation = _nixl_allocation(self.kv_caches, self.kv_cache_config)
             for worker in workers:
@@ -466,7 +480,7 @@ class _NixlAgentsGuarded:
                 agent = getattr(worker, _NIXL_WORKER_ATTRIBUTE)
                 # Mamba layers transfer conv and SSM state as slices of a page
                 whole_pages = not getattr(worker, "_has_mamba", False)
-                checked = guard(agent, allocation, policy=self.policy, whole_pages=whole_pages)
+                checked = guard_worker(worker, agent, allocation, self.policy, whole_pages)
                 setattr(worker, _NIXL_WORKER_ATTRIBUTE, checked)
                 self.guarded.append((worker, agent, allocation))
         except Exception as error:  # safeview's own failure, or a vLLM or NIXL it does not know
@@ -474,17 +488,35 @@ class _NixlAgentsGuarded:
             _step_aside("NIXL agent left unguarded", f"{type(error).__name__}: {error}")
 
     def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None and self.guarded:
+            self._check_coverage()
         # From now on the worker prepares lists only at handshakes, whose rows may be slices of
         # pages (a peer of another tensor-parallel size): those are allowed from here.
         try:
-            from safeview.nixl import guard
+            from safeview._vllm_nixl import guard_worker
 
             for worker, agent, allocation in self.guarded:
-                checked = guard(agent, allocation, policy=self.policy, whole_pages=False)
+                checked = guard_worker(worker, agent, allocation, self.policy, False)
                 setattr(worker, _NIXL_WORKER_ATTRIBUTE, checked)
         except Exception as error:
             self._restore()
             _step_aside("NIXL agent left unguarded", f"{type(error).__name__}: {error}")
+
+    def _check_coverage(self) -> None:
+        """Every layer the worker is to transfer lies in the lists it prepared (under strict a
+        ``CoverageError`` stops the start-up, before any transfer)."""
+        try:
+            from safeview._vllm_nixl import check_worker_coverage
+
+            for worker, agent, allocation in self.guarded:
+                check_worker_coverage(
+                    worker, agent, allocation, self.kv_caches, self.kv_cache_config, self.policy
+                )
+        except CoverageError:
+            self._restore()
+            raise
+        except Exception as error:  # safeview's own failure: the registration stands unchecked
+            _step_aside("NIXL coverage left unchecked", f"{type(error).__name__}: {error}")
 
     def _restore(self) -> None:
         for worker, agent, _ in self.guarded:

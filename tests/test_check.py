@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from safeview import ArgumentError, OverlapError
+from safeview import ArgumentError, OverlapError, sanitize
 from safeview.check import StorageRecord, ViewRecord, check_views
 from safeview.kv import block_views, check_tensors
 from safeview.overlap import Pieces, _suspects
@@ -382,3 +382,17 @@ def test_check_views_refuses_arguments_of_the_wrong_kind_naming_them(
     for checks in (True, False):
         with pytest.raises(ArgumentError, match=message):
             check_views(storages, views, checks=checks)  # type: ignore[arg-type]
+
+
+def test_a_one_block_view_of_stride_zero_over_another_layer_is_refused() -> None:
+    # a single row's stride is never stepped over and torch accepts 0 there; the exact pair test
+    # once divided by it, and the sanitizer let this view of layer a over layer b's bytes through
+    raw = torch.zeros(256, dtype=torch.int8)
+    layers = {"a": raw[:128].view(2, 64), "b": raw[128:].view(2, 64)}
+    with pytest.raises(OverlapError) as caught, sanitize(layers=layers, groups={"a": 0, "b": 0}):
+        torch.as_strided(layers["a"], (1, 64), (0, 1), 160)
+    [finding] = caught.value.findings
+    assert finding.byte == 160
+    with sanitize(layers=layers, groups={"a": 0, "b": 0}) as seen:
+        torch.as_strided(layers["a"], (1, 64), (0, 1), 32)  # inside its own layer: made
+    assert seen.report().ok

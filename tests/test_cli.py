@@ -249,7 +249,10 @@ def test_map_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
         "check", str(PLANS / "vllm_unit_test.json"), "--map", str(tmp_path / "m.png"), code=code
     )
     assert result.returncode == 2
-    assert "pip install 'safeview[plot]'" in result.stderr
+    # safeview is on no package index: the hint names what works from a checkout or a path
+    assert "pip install -e '.[plot]'" in result.stderr
+    assert "pip install '/path/to/safeview[plot]'" in result.stderr
+    assert "pip install 'safeview[" not in result.stderr
     assert not (tmp_path / "m.png").exists()
 
 
@@ -715,7 +718,59 @@ def test_a_folder_without_plans_is_an_error(tmp_path: Path) -> None:
     result = _safeview("check", str(tmp_path), CLEAN)
     assert result.returncode == 2
     assert _one_error_line(result.stderr) == f"safeview: folder {tmp_path} holds no *.json file"
-    assert result.stdout.startswith(f"OK {CLEAN}")
+    # named on standard output too, where the other plans' sections and the tally are
+    assert result.stdout.startswith(
+        f"ERROR {tmp_path}\n  folder {tmp_path} holds no *.json file\n\nOK {CLEAN}"
+    )
+
+
+def test_a_folder_names_its_unreadable_plan_on_standard_output(tmp_path: Path) -> None:
+    shutil.copy(CLEAN, tmp_path / "a.json")
+    (tmp_path / "b.json").write_text("{not json")
+    result = _safeview("check", str(tmp_path))
+    assert result.returncode == 2
+    bad = str(tmp_path / "b.json")
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"OK {tmp_path / 'a.json'} (vLLM unit-test layout")
+    assert f"ERROR {bad}" in lines
+    assert lines[lines.index(f"ERROR {bad}") + 1].startswith(f"  {bad} is not a valid plan:")
+    assert lines[-1] == "2 plans: 1 clean, 1 unusable"
+
+
+def test_json_prints_one_document_when_the_map_target_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "missing" / "x.png"
+    result = _safeview("check", "--json", ALIASING, "--map", str(target))
+    assert result.returncode == 2
+    document = json.loads(result.stdout)
+    why = f"--map {target}: folder {str(target.parent)!r} does not exist"
+    assert document["map"] == {"path": str(target), "written": False, "error": why}
+    assert (document["exit_code"], document["status"], document["plans"]) == (2, ["error"], [])
+    assert document["error"] == why
+    assert _one_error_line(result.stderr) == f"safeview: {why}"
+
+
+def test_json_prints_one_document_when_standard_input_is_named_twice() -> None:
+    result = _safeview("check", "--json", "-", "-", input="{}")
+    assert result.returncode == 2
+    document = json.loads(result.stdout)
+    assert document["error"] == "standard input ('-') can be read only once"
+    assert "map" not in document
+
+
+def test_json_details_keep_integers_as_integers(tmp_path: Path) -> None:
+    (tmp_path / "plan.json").write_text(_plan_text(page_bytes=0))
+    result = _safeview("check", "--json", str(tmp_path / "plan.json"))
+    [plan] = json.loads(result.stdout)["plans"]
+    [detail] = plan["details"]
+    assert (detail["loc"], detail["input"]) == ("views.0.page_bytes", 0)
+
+
+@pytest.mark.parametrize("variable", ["SAFEVIEW_BOUNDS_POLICY", "SAFEVIEW_LOG_LEVEL"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_safeview_variable_set_to_nothing_is_unset(variable: str, value: str) -> None:
+    result = _safeview("check", CLEAN, env=_env(**{variable: value, "SAFEVIEW_LOG_FORMAT": ""}))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
 
 
 def test_map_counts_the_plans_of_a_folder(tmp_path: Path) -> None:
@@ -791,3 +846,9 @@ def test_a_plan_with_a_schema_key_is_checked(tmp_path: Path) -> None:
 def test_the_schema_printed_is_the_one_plans_name() -> None:
     schema = json.loads(_safeview("schema").stdout)
     assert schema["$id"] == PLAN_SCHEMA == json.loads(Path(ALIASING).read_text())["$schema"]
+
+
+def test_an_empty_log_level_with_a_log_format_is_the_default_level() -> None:
+    result = _safeview("check", CLEAN, env=_env(SAFEVIEW_LOG_FORMAT="json", SAFEVIEW_LOG_LEVEL=""))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""

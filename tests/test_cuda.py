@@ -84,3 +84,92 @@ def test_cuda_block_views_of_a_packed_cache() -> None:
     registration = block_views(caches, pages, num_blocks=16, packed=pages)
     assert registration.report.ok
     assert all(v.device == raw.device for (v,) in registration.tensors_per_block.values())
+
+
+def test_cuda_sanitizer_refuses_an_out_that_would_grow_a_shared_cache() -> None:
+    kv = torch.zeros(64, device="cuda")
+    storage = kv.untyped_storage()
+    before = (storage.data_ptr(), storage.nbytes())
+    x = torch.ones(8, 4, device="cuda")
+    weight = torch.nn.Parameter(torch.ones(4, 16, device="cuda"), requires_grad=False)  # a subclass
+    with pytest.raises(BoundsError), sanitize():
+        torch.mm(x, weight, out=kv[:16])  # 128 floats into a storage of 64
+    assert (storage.data_ptr(), storage.nbytes()) == before
+    with sanitize():  # the right size is left alone, and written where it belongs
+        torch.mm(x[:2], weight[:, :8], out=kv[16:32].view(2, 8))
+    torch.cuda.synchronize()
+    assert int(kv[16:32].sum()) == 16 * 4
+    assert (storage.data_ptr(), storage.nbytes()) == before
+
+
+def test_cuda_sanitizer_judges_a_data_dependent_out_by_its_real_size() -> None:
+    kv = torch.zeros(64, dtype=torch.int64, device="cuda")
+    storage = kv.untyped_storage()
+    before = (storage.data_ptr(), storage.nbytes())
+    many = torch.ones(100, device="cuda")  # 100 indices: 800 bytes into a 512-byte storage
+    with pytest.raises(BoundsError), sanitize():
+        torch.nonzero(many, out=kv[:4])
+    assert (storage.data_ptr(), storage.nbytes()) == before
+    few = torch.zeros(100, device="cuda")
+    few[[3, 50]] = 1
+    with sanitize():
+        torch.nonzero(few, out=kv[:4])
+    torch.cuda.synchronize()
+    assert kv[:2].tolist() == [3, 50]
+    assert (storage.data_ptr(), storage.nbytes()) == before
+
+
+def test_cuda_process_guard_refuses_an_out_of_bounds_set_on_another_thread() -> None:
+    import threading
+
+    from safeview import process
+
+    victim = torch.zeros(64, dtype=torch.int8, device="cuda")
+    storage = victim.untyped_storage()
+    before = (storage.data_ptr(), storage.nbytes())
+    caught: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            torch.empty(0, dtype=torch.int8, device="cuda").set_(storage, 0, (5, 16), (16, 1))
+        except BaseException as error:  # the test asserts what it was
+            caught.append(error)
+
+    process.start("strict")
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        view = torch.as_strided(victim, (4, 16), (16, 1), 0)  # in bounds: made as usual
+    finally:
+        process.stop()
+    assert [type(error) for error in caught] == [BoundsError]
+    assert (storage.data_ptr(), storage.nbytes()) == before
+    assert view.data_ptr() == victim.data_ptr()
+
+
+def test_cuda_manifest_is_the_one_of_the_same_layout_on_meta() -> None:
+    import safeview
+    from safeview.manifest import vllm_axes
+
+    topology = {"tp_rank": 0, "tp_size": 1, "total_kv_heads": 4}
+    manifests = []
+    for device in ("cuda", "meta"):
+        nhd = torch.zeros(8, 16, 4, 2 * 64, dtype=torch.bfloat16, device=device)
+        hnd = nhd.permute(0, 2, 1, 3)  # the same shape, tokens outside heads
+        caches = {"layers.0": hnd, "layers.1": hnd.contiguous()}
+        manifests.append(safeview.describe(caches, axes=vllm_axes(), topology=topology))
+    cuda, meta = manifests
+    assert cuda.fingerprint == meta.fingerprint
+    assert safeview.diff(cuda, meta).compatible
+
+
+def test_cuda_block_views_past_the_end_under_warn_raise_and_leave_the_cache() -> None:
+    kv = torch.zeros(16 * 256, dtype=torch.int8, device="cuda")
+    storage = kv.untyped_storage()
+    before = (storage.data_ptr(), storage.nbytes())
+    caches = {"layer.0": kv.view(16, 256)}
+    with pytest.raises(BoundsError) as caught:
+        block_views(caches, {"layer.0": 256}, num_blocks=17, policy="warn")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert (storage.data_ptr(), storage.nbytes()) == before

@@ -25,7 +25,9 @@ from safeview import (
     BoundsError,
     OverlapError,
     SafeViewError,
+    UnprovenWriteError,
     configure_logging,
+    policy_scope,
     reset_logging,
     sanitize,
 )
@@ -503,3 +505,298 @@ def test_a_sanitizer_closed_in_another_thread_leaves_that_thread_and_its_own_con
     with sanitize("strict"), pytest.raises(BoundsError):  # and serves the next one
         torch.as_strided(meta, (9, 16), (16, 1))
     assert _get_current_dispatch_mode() is None
+
+
+# -- out= into a shared storage, whatever the op and its inputs (issue 21, points 1 to 3) -------
+#
+# A float32 cache of 64 elements (256 bytes); each op writes through ``out=`` into a slice that
+# starts at element 48, and each would need more than the 16 elements left after it.
+
+OUT_OPS: dict[str, Callable[[torch.Tensor], Any]] = {
+    # a weight that is an nn.Parameter (a tensor subclass): meta copies are plain meta tensors
+    "mm_with_a_parameter": lambda kv: torch.mm(
+        torch.ones(4, 4), torch.nn.Parameter(torch.ones(4, 8)), out=kv[48:52]
+    ),
+    # size and stride arguments, but it places nothing: its out= is what it writes
+    "as_strided_copy": lambda kv: torch.as_strided_copy(torch.ones(40), (40,), (1,), out=kv[48:52]),
+    # no meta kernel, or an output size that depends on the data
+    "nonzero": lambda kv: torch.nonzero(torch.ones(40), out=kv.view(torch.int64)[24:26]),
+    "masked_select": lambda kv: torch.masked_select(
+        torch.ones(40), torch.ones(40, dtype=torch.bool), out=kv[48:52]
+    ),
+    "histogram": lambda kv: torch.histogram(torch.ones(40), 40, out=(kv[48:52], kv[52:56])),
+}
+
+
+def float_cache() -> torch.Tensor:
+    return torch.arange(64, dtype=torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("op", sorted(OUT_OPS))
+def test_strict_refuses_an_out_that_would_grow_a_shared_storage_whatever_the_op(op: str) -> None:
+    kv = float_cache()
+    alone = float_cache()
+    with torch.no_grad():
+        OUT_OPS[op](alone)  # the oracle: torch alone grows and moves the storage
+    assert alone.untyped_storage().nbytes() > 256
+    before = state(kv)
+    with torch.no_grad(), pytest.raises(BoundsError) as raised, sanitize("strict"):
+        OUT_OPS[op](kv)
+    assert state(kv) == before  # same bytes, same address
+    assert torch.equal(kv, float_cache())  # nothing written
+    assert raised.value.storage_nbytes == 256
+    assert raised.value.extent_bytes is not None
+    # the first out= that grows it (histogram's bin_edges would grow it further)
+    assert 256 < raised.value.extent_bytes <= alone.untyped_storage().nbytes()
+    assert raised.value.op is not None
+    assert raised.value.op.startswith(f"aten::{op.split('_with')[0]} (")
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("op", sorted(OUT_OPS))
+def test_under_warn_an_out_that_grows_a_shared_storage_runs_as_without_safeview(op: str) -> None:
+    kv = float_cache()
+    alone = float_cache()
+    with torch.no_grad():
+        OUT_OPS[op](alone)
+        with capture_events() as events, sanitize("warn"):
+            OUT_OPS[op](kv)
+    assert kv.untyped_storage().nbytes() == alone.untyped_storage().nbytes()
+    assert torch.equal(kv, alone)
+    event = next(e for e in events if e["event"] == "bounds_violation")
+    assert 256 < event["extent_bytes"] <= alone.untyped_storage().nbytes()
+    assert event["limit_bytes"] == 256
+
+
+RIGHT_SIZE_OUT_OPS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "mm_with_a_parameter": lambda kv: torch.mm(
+        torch.ones(2, 2), torch.nn.Parameter(torch.ones(2, 2)), out=kv[40:44].view(2, 2)
+    ),
+    "as_strided_copy": lambda kv: torch.as_strided_copy(torch.ones(40), (4,), (10,), out=kv[44:48]),
+    "nonzero": lambda kv: torch.nonzero(
+        torch.tensor([0.0, 1.0, 0.0, 1.0]), out=kv.view(torch.int64)[24:26].view(2, 1)
+    ),
+    "nonzero_into_a_larger_out": lambda kv: torch.nonzero(
+        torch.tensor([0.0, 1.0, 0.0, 1.0]), out=kv.view(torch.int64)[28:30]
+    ),  # resized to (2, 1) within its own bytes: the storage keeps its size
+    "masked_select": lambda kv: torch.masked_select(
+        torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([0, 1, 0, 1]).bool(), out=kv[60:62]
+    ),
+    "histogram": lambda kv: torch.histogram(
+        torch.tensor([0.0, 1.0, 0.0, 1.0]), 2, out=(kv[48:50], kv[50:53])
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("op", sorted(RIGHT_SIZE_OUT_OPS))
+def test_an_out_that_needs_no_growth_is_not_refused(op: str) -> None:
+    kv = float_cache()
+    alone = float_cache()
+    before = state(kv)
+    with torch.no_grad():
+        expected = RIGHT_SIZE_OUT_OPS[op](alone)
+        with capture_events() as events, sanitize("strict") as seen:
+            result = RIGHT_SIZE_OUT_OPS[op](kv)
+    assert state(kv) == before
+    assert torch.equal(kv, alone)  # the op wrote what it writes without safeview
+    for got, want in zip(result if isinstance(result, tuple) else (result,),
+                         expected if isinstance(expected, tuple) else (expected,)):  # fmt: skip
+        assert torch.equal(got, want)
+    assert seen.findings == []
+    assert [e for e in events if e["level"] in ("warning", "error")] == []
+
+
+# An op safeview cannot work out: not one of torch's own (it is not run twice), no meta kernel,
+# and an out= that its kernel resizes below the dispatcher.
+_LIBRARY = torch.library.Library("safeview_tests", "DEF")  # type: ignore[no-untyped-call]
+_LIBRARY.define("grow_into(Tensor x, *, Tensor(a!) out) -> Tensor(a!)")  # type: ignore[no-untyped-call]
+
+
+def _grow_into(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    out.resize_(x.shape)
+    return out.copy_(x)
+
+
+_LIBRARY.impl("grow_into", _grow_into, "CPU")  # type: ignore[no-untyped-call]
+
+
+def grow_into(kv: torch.Tensor) -> Any:
+    return torch.ops.safeview_tests.grow_into(torch.ones(40), out=kv[48:52])
+
+
+def test_strict_refuses_an_out_whose_growth_cannot_be_worked_out() -> None:
+    kv = float_cache()
+    before = state(kv)
+    with (
+        capture_events() as events,
+        pytest.raises(UnprovenWriteError) as raised,
+        sanitize("strict"),
+    ):
+        grow_into(kv)
+    assert state(kv) == before
+    assert torch.equal(kv, float_cache())
+    error = raised.value
+    assert isinstance(error, SafeViewError)
+    assert error.op == "safeview_tests::grow_into (out=)"
+    assert error.storage_nbytes == 256
+    assert "meta cannot run it" in error.reason
+    assert "not one of torch's own ops" in error.reason
+    assert error.site is not None
+    assert "test_guard_promises.py" in error.site
+    [event] = [e for e in events if e["event"] == "unproven_write"]
+    assert event["level"] == "error"
+    assert event["message"] == str(error)
+
+
+def test_under_warn_an_unproven_out_is_an_event_and_runs_as_without_safeview() -> None:
+    kv = float_cache()
+    alone = float_cache()
+    grow_into(alone)
+    with capture_events() as events, sanitize("warn"):
+        grow_into(kv)
+    assert kv.untyped_storage().nbytes() == alone.untyped_storage().nbytes() == 352
+    assert torch.equal(kv, alone)
+    [event] = [e for e in events if e["event"] == "unproven_write"]
+    assert event["level"] == "warning"
+    assert event["policy"] == "warn"
+    assert event["op"] == "safeview_tests::grow_into (out=)"
+    assert event["storage_nbytes"] == 256
+    json.dumps(event)
+
+
+def test_an_op_that_fails_on_its_stand_ins_is_unproven_under_strict() -> None:
+    kv = float_cache()
+    before = state(kv)
+    with pytest.raises(UnprovenWriteError, match="failed"), sanitize("strict"):
+        torch.nonzero(torch.ones(40), out=kv[48:52])  # nonzero writes int64, not float32
+    assert state(kv) == before
+
+
+_LIBRARY.define("add_one_in_place(Tensor(a!) x) -> ()")  # type: ignore[no-untyped-call]
+
+
+def _add_one_in_place(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+_LIBRARY.impl("add_one_in_place", _add_one_in_place, "CPU")  # type: ignore[no-untyped-call]
+
+
+def test_an_in_place_op_meta_cannot_run_is_left_alone() -> None:
+    """In-place arguments are never resized by torch's kernels, and a custom kernel's ``Tensor!``
+    is written where it is: no refusal, no event, the op runs as without safeview."""
+    kv = float_cache()
+    with capture_events() as events, sanitize("strict") as seen:
+        torch.ops.safeview_tests.add_one_in_place(kv[:16])
+    assert seen.findings == []
+    assert [e for e in events if e["level"] in ("warning", "error")] == []
+    assert torch.equal(kv[:16], torch.arange(1, 17, dtype=torch.float32))
+
+
+# -- a connector's views judged against the layers' own tensors (issue 21, point 5 and a
+# newcomer's point 4)
+
+PAGE = 64
+
+
+class OneViewConnector:
+    """Makes one view of one layer, from that layer's own tensor, as a connector's registration
+    does; ``rows`` and ``offset`` (in elements) are its own numbers."""
+
+    rows = 16
+    offset: int | None = None
+    layer = "layers.0"
+
+    @guard_registration(groups={"layers.0": 0, "layers.1": 0})
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+        cache = kv_caches[self.layer]
+        offset = cache.storage_offset() if self.offset is None else self.offset
+        return torch.as_strided(cache, (self.rows, PAGE), (PAGE, 1), offset)
+
+
+def two_layers_of_16_pages() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    raw = torch.zeros(2 * 16 * PAGE, dtype=torch.int8)
+    return raw, {"layers.0": raw[: 16 * PAGE], "layers.1": raw[16 * PAGE :]}
+
+
+def test_a_view_of_one_layer_over_another_layers_pages_is_refused_with_no_view_of_the_other() -> (
+    None
+):
+    raw, caches = two_layers_of_16_pages()
+    before = state(raw)
+    connector = OneViewConnector()
+    assert connector.register_kv_caches(caches).shape == (16, PAGE)  # its own pages: fine
+    connector.offset = 16 * PAGE  # layer 0's view on layer 1's 16 pages
+    with pytest.raises(OverlapError) as raised:
+        connector.register_kv_caches(caches)
+    [finding] = raised.value.findings
+    assert finding.views[0].startswith("layers.1: ")
+    assert finding.views[1].startswith("layers.0: ")
+    assert finding.byte == 16 * PAGE
+    assert finding.group == 0
+    assert state(raw) == before
+
+
+def test_under_warn_a_view_over_another_layers_pages_is_an_event_and_is_made() -> None:
+    raw, caches = two_layers_of_16_pages()
+    before = state(raw)
+    connector = OneViewConnector()
+    connector.offset = 16 * PAGE
+    expected = torch.as_strided(caches["layers.0"], (16, PAGE), (PAGE, 1), 16 * PAGE)
+    with policy_scope("warn"), capture_events() as events:
+        view = connector.register_kv_caches(caches)
+    assert (view.shape, view.stride(), view.storage_offset(), view.data_ptr()) == (
+        expected.shape, expected.stride(), expected.storage_offset(), expected.data_ptr()
+    )  # fmt: skip
+    [event] = [e for e in events if e["event"] == "overlap_violation"]
+    assert event["byte"] == 16 * PAGE
+    assert event["policy"] == "warn"
+    assert state(raw) == before
+
+
+def test_a_view_past_the_end_made_from_a_layer_names_the_layer() -> None:
+    raw, caches = two_layers_of_16_pages()
+    before = state(raw)
+    connector = OneViewConnector()
+    connector.layer, connector.rows = "layers.1", 17  # one page more than the layer has
+    with pytest.raises(BoundsError) as raised:
+        connector.register_kv_caches(caches)
+    assert raised.value.name == "layers.1"
+    assert "view 'layers.1' needs bytes [1,024, 2,112)" in str(raised.value)
+    assert state(raw) == before
+
+
+def test_a_view_placed_from_the_bare_storage_is_named_after_the_layer_it_starts_in() -> None:
+    raw, caches = two_layers_of_16_pages()
+    before = state(raw)
+
+    class Connector:
+        @guard_registration(groups={"layers.0": 0, "layers.1": 0})
+        def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+            cache = kv_caches["layers.1"]  # the worker's four-argument set_, one page too many
+            torch.empty(0, dtype=torch.int8).set_(
+                cache.untyped_storage(), cache.storage_offset(), (17, PAGE), (PAGE, 1)
+            )
+
+    with pytest.raises(BoundsError) as raised:
+        Connector().register_kv_caches(caches)
+    assert raised.value.name == "layers.1"
+    assert state(raw) == before
+
+
+def test_a_layer_in_no_group_handed_another_layers_tensor_does_not_hide_it() -> None:
+    """vLLM's cross-layer KV sharing: the sharing layer holds its target's very tensor."""
+    raw, caches = two_layers_of_16_pages()
+    before = state(raw)
+    shared = {**caches, "layers.2": caches["layers.1"]}  # layers.2 shares layers.1's cache
+    groups = {"layers.0": 0, "layers.1": 0}
+    with sanitize("strict", layers=shared, groups=groups):
+        torch.as_strided(shared["layers.1"], (16, PAGE), (PAGE, 1), 16 * PAGE)  # its own
+        with pytest.raises(OverlapError) as raised:
+            torch.as_strided(shared["layers.0"], (16, PAGE), (PAGE, 1), 16 * PAGE)  # layer 1's
+    [finding] = raised.value.findings
+    assert finding.views[0].startswith("layers.1: ")
+    assert finding.views[1].startswith("layers.0: ")
+    assert state(raw) == before

@@ -371,3 +371,147 @@ def test_registration_checked_counts_the_bytes_the_views_hold(
     assert summary["min_slack_bytes"] == 0
     assert summary["views"] == 2
     assert summary["violations"] == 0
+
+
+# -- round four: what a new user trips on ---------------------------------------------------------
+
+
+def test_a_kv_first_tensor_is_refused_and_k_and_v_as_two_tensors_are_cut_right() -> None:
+    # FlashAttention's per-layer (2, num_blocks, block_tokens, heads, head_dim)
+    num_blocks, tokens, heads, dim = 16, 16, 4, 64
+    cache = torch.zeros(2, num_blocks, tokens, heads, dim, dtype=torch.float16)
+    page = 2 * tokens * heads * dim * 2  # K+V of one block
+    with pytest.raises(ArgumentError) as caught:
+        block_views({"l0": cache}, {"l0": page}, num_blocks=num_blocks)
+    message = str(caught.value)
+    assert "shape (2, 16, 16, 4, 64) and strides (65536, 4096, 256, 64, 1)" in message
+    assert "shape[0] == 2 != num_blocks=16" in message
+    assert "kv_caches['l0'] = [cache[0], cache[1]]" in message
+    registration = block_views({"l0": [cache[0], cache[1]]}, {"l0": page}, num_blocks=num_blocks)
+    k, v = registration.tensors_per_block["l0"]
+    cache[1, 0].fill_(1.0)  # V of block 0
+    assert k.shape == v.shape == (num_blocks, page // 2)
+    assert torch.equal(v[0].view(torch.float16), cache[1, 0].flatten())
+    assert int(k.count_nonzero()) == 0
+    assert int(v[1:].count_nonzero()) == 0
+
+
+def test_a_blocks_first_tensor_of_two_blocks_is_not_taken_for_kv_first() -> None:
+    cache = torch.zeros(2, 16, 4, 64, dtype=torch.float16)  # 2 blocks, blocks first
+    registration = block_views({"l0": cache}, {"l0": 16 * 4 * 64 * 2}, num_blocks=2)
+    assert registration.report.ok
+
+
+@pytest.mark.parametrize("what", ["groups", "regions"])
+def test_block_views_refuses_keys_that_name_no_layer(what: str) -> None:
+    raw = torch.zeros(4 * 64, dtype=torch.int8)
+    caches = {"model.layers.0.self_attn": raw[:128].view(2, 64), "model.layers.1.self_attn":
+              raw[128:].view(2, 64)}  # fmt: skip
+    value: object = 0 if what == "groups" else (0, 256)
+    mapping = {"model.layers.0.self_attn": value, "model.layers.1.self_atn": value}
+    with pytest.raises(ArgumentError) as caught:
+        block_views(caches, dict.fromkeys(caches, 64), num_blocks=2, **{what: mapping})  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"{what} names 1 layer that kv_caches does not have: 'model.layers.1.self_atn' "
+        "(did you mean 'model.layers.1.self_attn'?)"
+    )
+
+
+def _packed_cache(num_blocks: int, layers: int = 4, page: int = 64) -> dict[str, torch.Tensor]:
+    buffer = torch.zeros(num_blocks * layers * page, dtype=torch.int8)
+    return {
+        f"l{i}": torch.as_strided(buffer, (num_blocks, page), (layers * page, 1), i * page)
+        for i in range(layers)
+    }
+
+
+def test_a_bounds_error_names_every_layer_past_the_end() -> None:
+    caches = _packed_cache(16)
+    with pytest.raises(BoundsError) as caught:
+        block_views(caches, dict.fromkeys(caches, 64), num_blocks=17, packed=caches)
+    error = caught.value
+    assert [f.views[0] for f in error.findings] == ["l0", "l1", "l2", "l3"]
+    assert str(error).endswith(
+        "; and 3 more views outside their storage or region: 'l1', 'l2', 'l3'"
+    )
+
+
+def test_warn_on_cpu_warns_for_every_view_then_raises_naming_them_chained_to_torch(
+    events: list[dict[str, Any]],
+) -> None:
+    # torch refuses a view past the end of a cpu storage, and safeview never grows one
+    caches = _packed_cache(16)
+    with pytest.raises(BoundsError) as caught:
+        block_views(caches, dict.fromkeys(caches, 64), num_blocks=17, packed=caches, policy="warn")
+    error = caught.value
+    assert error.policy == "warn"
+    assert isinstance(error.__cause__, RuntimeError)
+    assert "setStorage" in str(error.__cause__)
+    assert len(error.findings) == 4
+    warned = [e["name"] for e in events if e["event"] == "bounds_violation"]
+    assert warned == ["l0", "l1", "l2", "l3"]
+    assert all(e["level"] == "warning" for e in events if e["event"] == "bounds_violation")
+
+
+def test_warn_on_meta_makes_the_views_past_the_end() -> None:
+    buffer = torch.empty(16 * 4 * 64, dtype=torch.int8, device="meta")
+    caches = {f"l{i}": torch.as_strided(buffer, (16, 64), (256, 1), i * 64) for i in range(4)}
+    registration = block_views(
+        caches, dict.fromkeys(caches, 64), num_blocks=17, packed=caches, policy="warn"
+    )
+    assert [view.shape for (view,) in registration.tensors_per_block.values()] == [(17, 64)] * 4
+    assert [f.kind for f in registration.violations] == ["out_of_bounds"] * 4
+
+
+def test_the_readme_connector_pattern_holds_for_a_hybrid_model() -> None:
+    # The README's pattern, copied for a hybrid model: attention and Mamba share each block's
+    # bytes in groups 0 and 1; block_views is given the guard's groups.
+    page, num_blocks = 512, 4
+    groups = {"attn": 0, "mamba": 1}
+
+    class Connector:
+        @guard_registration(groups=groups)
+        def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+            specs = {"attn": page, "mamba": LayerSpec(page_bytes=page, kind="mamba")}
+            self.views = block_views(kv_caches, specs, num_blocks=num_blocks, groups=groups)
+
+    shared = torch.zeros(num_blocks * page, dtype=torch.int8)
+    caches: dict[str, Any] = {
+        "attn": shared.view(num_blocks, page),
+        "mamba": [torch.as_strided(shared, (num_blocks, 100), (page, 1), 0)],
+    }
+    connector = Connector()
+    connector.register_kv_caches(caches)
+    assert connector.views.report.ok
+    # without the groups, the same bytes are a (false) overlap
+    specs = {"attn": page, "mamba": LayerSpec(page_bytes=page, kind="mamba")}
+    with pytest.raises(OverlapError):
+        block_views(caches, specs, num_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_page_too_big_overflows_as_the_readme_troubleshooting_says(packed: bool) -> None:
+    # README: by the difference of the two pages when packed, by num_blocks times it when each
+    # layer's blocks lie together, layer after layer
+    layers, num_blocks, allocated, spec = 3, 10, 4096, 8192
+    raw = torch.zeros(layers * num_blocks * allocated, dtype=torch.int8)
+    if packed:
+        caches = {
+            f"l{i}": torch.as_strided(raw, (num_blocks, allocated), (layers * allocated, 1),
+                                      i * allocated)
+            for i in range(layers)
+        }  # fmt: skip
+    else:
+        caches = {
+            f"l{i}": raw[i * num_blocks * allocated : (i + 1) * num_blocks * allocated].view(
+                num_blocks, allocated
+            )
+            for i in range(layers)
+        }
+    with pytest.raises(BoundsError) as caught:
+        block_views(
+            caches, dict.fromkeys(caches, spec), num_blocks=num_blocks,
+            packed=caches if packed else (),
+        )  # fmt: skip
+    expected = spec - allocated if packed else num_blocks * (spec - allocated)
+    assert caught.value.overflow_bytes == expected

@@ -260,8 +260,97 @@ def test_an_engine_with_another_api_is_returned_as_it_is_with_one_event() -> Non
     memory = MemoryMap((StorageSpan("kv", 0x1000, 64),), (ViewSpan("x", "kv", 0, 16, 16, 4),))
     engine = OtherEngine()
     with capture_events() as events:
-        assert guard_module.guard(engine, memory) is engine
+        with pytest.warns(RuntimeWarning, match="left the engine unguarded"):
+            assert guard_module.guard(engine, memory) is engine
         assert guard_module.guard(OtherEngine(), memory) is not None
     [unavailable] = [e for e in events if e["event"] == "integration_unavailable"]  # once
     assert unavailable["integration"] == "mooncake"
     assert unavailable["reason"].startswith("the engine (OtherEngine) has no register_memory")
+
+
+# -- failures the engine reports by its return codes ---------------------------------------------
+
+
+def _failures(events: list[dict[str, Any]]) -> list[tuple[str, str, Any, list[str]]]:
+    return [
+        (e["event"], e["source"], e.get("status"), e["layers"])
+        for e in events
+        if e["event"] in ("registration_failed", "transfer_failed", "failure_ignored")
+    ]
+
+
+def test_a_failed_read_is_an_event_and_a_write_of_its_bytes_is_refused_under_strict(
+    pair: Pair,
+) -> None:
+    page = pair.base + BLOCKS * PAGE  # page 0 of layer 1
+    kept = pair.kv.clone()
+    past = pair.target + pair.destination.numel()  # no registered byte of the peer's there
+    try:
+        with capture_events() as events:
+            status = pair.guarded.transfer_sync_read(pair.peer, page, past, PAGE)
+            assert status == -1  # the engine's status, unchanged
+            # the caller goes on as if the read had happened, and sends those bytes on
+            with pytest.raises(safeview.FailureIgnoredError) as refused:
+                pair.guarded.transfer_sync_write(pair.peer, page, pair.target, PAGE)
+        assert pair.moved() == []  # refused before the engine moved a byte
+        assert refused.value.failed == "mooncake.transfer_sync_read"
+        assert (refused.value.status, refused.value.layers) == (-1, ("layers.1",))
+        assert _failures(events) == [
+            ("transfer_failed", "mooncake.transfer_sync_read", -1, ["layers.1"]),
+            ("failure_ignored", "mooncake.transfer_sync_write", -1, ["layers.1"]),
+        ]
+        with safeview.policy_scope("warn"), capture_events() as warned:
+            assert pair.guarded.transfer_sync_write(pair.peer, page, pair.target, PAGE) == 0
+        assert [e["level"] for e in warned if e["event"] == "failure_ignored"] == ["warning"]
+        assert pair.moved() != []  # under warn it goes ahead, as without safeview
+        # a read that succeeds makes the bytes good again
+        pair.destination.zero_()
+        assert pair.guarded.transfer_sync_read(pair.peer, page, pair.target, PAGE) == 0
+        with capture_events() as after:
+            assert pair.guarded.transfer_sync_write(pair.peer, page, pair.target, PAGE) == 0
+        assert _failures(after) == []
+    finally:
+        pair.kv.copy_(kept)
+
+
+def test_mooncake_itself_sends_bytes_a_failed_read_never_filled(pair: Pair) -> None:
+    page = pair.base + BLOCKS * PAGE
+    past = pair.target + pair.destination.numel()
+    with safeview.policy_scope("off"):
+        assert pair.guarded.transfer_sync_read(pair.peer, page, past, PAGE) == -1
+        assert pair.guarded.transfer_sync_write(pair.peer, page, pair.target, PAGE) == 0
+    assert pair.moved() != []  # success, with whatever the page held before
+
+
+def test_a_failed_registration_is_an_event_and_a_transfer_from_its_memory_is_refused() -> None:
+    engine, remote = TransferEngine(), TransferEngine()
+    for each in (engine, remote):
+        assert each.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    kv = (torch.arange(LAYERS * BLOCKS * PAGE) % 251 + 1).to(torch.int8)
+    layer_bytes = BLOCKS * PAGE
+    caches = {
+        f"layers.{n}": kv[n * layer_bytes : (n + 1) * layer_bytes].view(BLOCKS, PAGE)
+        for n in range(LAYERS)
+    }
+    guarded = guard_module.guard(
+        engine, block_views(caches, dict.fromkeys(caches, PAGE), num_blocks=BLOCKS)
+    )
+    destination = torch.zeros(PAGE, dtype=torch.int8)
+    assert remote.register_memory(destination.data_ptr(), PAGE) == 0
+    peer = f"127.0.0.1:{remote.get_rpc_port()}"
+    base = kv.data_ptr()
+    assert guarded.register_memory(base, layer_bytes) == 0  # layer 0
+    with safeview.policy_scope("warn"), capture_events() as events:
+        # meant to register layer 1 and overlapping layer 0's: Mooncake refuses it (-7)
+        status = guarded.register_memory(base + layer_bytes // 2, layer_bytes + layer_bytes // 2)
+    assert status == -7
+    [failed] = [e for e in events if e["event"] == "registration_failed"]
+    assert (failed["status"], failed["layers"]) == (-7, ["layers.0", "layers.1"])
+    with pytest.raises(safeview.FailureIgnoredError) as refused:
+        guarded.transfer_sync_write(peer, base + layer_bytes, destination.data_ptr(), PAGE)
+    assert refused.value.failed == "mooncake.register_memory"
+    assert refused.value.layers == ("layers.1",)
+    assert not destination.any()
+    # layer 0's memory was registered: its transfers are not refused
+    assert guarded.transfer_sync_write(peer, base, destination.data_ptr(), PAGE) == 0
+    assert destination.tolist() == kv[:PAGE].tolist()

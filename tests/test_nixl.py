@@ -62,7 +62,7 @@ def _child() -> dict[str, Any]:  # pragma: no cover - runs in the child process
     target = destination.data_ptr()
     guarded = guard_module.guard(agent, registration)
     report: dict[str, Any] = {"same_agent": guarded is agent}
-    report["make_prepped_xfer_untouched"] = "make_prepped_xfer" not in vars(agent)
+    report["make_prepped_xfer_wrapped"] = "make_prepped_xfer" in vars(agent)
     guarded.register_memory([(base, kv.numel(), 0, "")], "DRAM")
     peer.register_memory([(target, destination.numel(), 0, "")], "DRAM")
     peer_name = agent.add_remote_agent(peer.get_agent_metadata())
@@ -94,6 +94,8 @@ def _child() -> dict[str, Any]:  # pragma: no cover - runs in the child process
             "kind": getattr(error, "kind", None),
             "moved": moved(),
             "events": [e for e in events if e["event"] == "address_violation"],
+            "failures": [e for e in events if e["event"].endswith("_failed")],
+            "coverage": [e for e in events if e["event"] == "coverage_violation"],
         }
         report[name] = entry
 
@@ -133,6 +135,11 @@ def _child() -> dict[str, Any]:  # pragma: no cover - runs in the child process
     two_local = [(base, PAGE, 0), (base + PAGE, PAGE, 0)]
     attempt("overlapping_remote_writes", lambda: initialized(two_local, overlapping))
     attempt("descs_of_any_address", lambda: agent.get_xfer_descs([(1, 2, 0)], "DRAM") is not None)
+    # before NIXL is handed a second registration of the same bytes (which breaks transfers)
+    _tensor_cases(guarded, kv, registration, attempt, prepped)
+    _intent_cases(guarded, registration, base, attempt, prepped)
+    _wrapped_agent_cases(config, registration, base, attempt)
+    _failure_cases(guarded, kv, base, target, attempt, report)
     inside = [(base + 100, 200, 0, "")]
     attempt("second_registration", lambda: guarded.register_memory(inside, "DRAM") is not None)
     with safeview.policy_scope("off"):
@@ -170,6 +177,132 @@ def _child() -> dict[str, Any]:  # pragma: no cover - runs in the child process
     return report
 
 
+def _tensor_cases(
+    guarded: Any, kv: Any, registration: Any, attempt: Callable[..., None], prepped: Any
+) -> None:  # pragma: no cover - runs in the child process
+    """Tensors as NIXL reads them: one row of the tensor's bytes, whatever its shape."""
+    import numpy as np
+    import torch
+
+    layer_1 = kv[BLOCKS * PAGE :].view(BLOCKS, PAGE)
+    # half of page 0 of layer 1, as a 1-d tensor; NIXL takes it as one row of 128 bytes
+    attempt("half_page_tensor", lambda: prepped(layer_1[0, : PAGE // 2], [0]))
+    # one whole page as a (1, 256) tensor: one row of 256 bytes, right
+    attempt("whole_page_2d_tensor", lambda: prepped(layer_1[1:2], [0]))
+    other = torch.zeros(4 * PAGE, dtype=torch.int8)
+    attempt("register_2d_tensor", lambda: guarded.register_memory(other.view(4, PAGE)) is not None)
+    # registered as one tensor: registering its page 1 again is a duplicate
+    again = [(other.data_ptr() + PAGE, PAGE, 0, "")]
+    attempt("page_again_after_tensor", lambda: guarded.register_memory(again, "DRAM") is not None)
+    third = torch.zeros(2 * PAGE, dtype=torch.int8)
+    nx3 = np.array([[third.data_ptr(), third.numel(), 0]], dtype=np.uint64)
+    with safeview.policy_scope("off"):
+        attempt("register_nx3_off", lambda: guarded.register_memory(nx3, "DRAM") is not None)
+    fourth = torch.zeros(2 * PAGE, dtype=torch.int8)
+    nx3 = np.array([[fourth.data_ptr(), fourth.numel(), 0]], dtype=np.uint64)
+    attempt("register_nx3_strict", lambda: guarded.register_memory(nx3, "DRAM") is not None)
+
+
+def _intent_cases(
+    guarded: Any, registration: Any, base: int, attempt: Callable[..., None], prepped: Any
+) -> None:  # pragma: no cover - runs in the child process
+    """The guard told which layer each row is for: the layers' strided rows in swapped order."""
+    import numpy as np
+
+    from safeview import nixl as guard_module
+
+    swapped = np.array(
+        [[base + n * BLOCKS * PAGE, PAGE, 0, PAGE, BLOCKS] for n in (1, 0)], np.uint64
+    )
+    attempt("swapped_rows_no_intent", lambda: prepped(swapped, [0]))
+    guard_module.guard(guarded, registration, layers="views")
+    attempt("swapped_rows_views", lambda: prepped(swapped, [0]))
+    guard_module.guard(guarded, registration, layers=["layers.0", "layers.1"])
+    attempt("swapped_rows_told", lambda: prepped(swapped, [0]))
+    guard_module.guard(guarded, registration, layers=["layers.1", "layers.0"])
+    attempt("swapped_rows_told_so", lambda: prepped(swapped, [0]))
+    guard_module.guard(guarded, registration)
+
+
+def _failure_cases(
+    guarded: Any, kv: Any, base: int, target: int, attempt: Callable[..., None], report: Any
+) -> None:  # pragma: no cover - runs in the child process
+    """Failures NIXL reports (it raises): each an event naming the layers, the error unchanged."""
+    # host memory registered as VRAM: UCX without CUDA refuses it (NIXL_ERR_BACKEND)
+    attempt(
+        "registration_fails",
+        lambda: guarded.register_memory([(base, kv.numel(), 0, "")], "VRAM") is not None,
+    )
+    # a transfer to bytes past the peer's registration: NIXL refuses it (NIXL_ERR_NOT_FOUND)
+    far = guarded.get_xfer_descs([(target + 64 * PAGE, PAGE, 0)], "DRAM")
+    mine = guarded.get_xfer_descs([(base + BLOCKS * PAGE, PAGE, 0)], "DRAM")
+    attempt(
+        "transfer_fails",
+        lambda: guarded.initialize_xfer("WRITE", mine, far, report["peer_name"], b"f") is not None,
+    )
+
+
+def _wrapped_agent_cases(
+    config: Any, registration: Any, base: int, attempt: Callable[..., None]
+) -> None:  # pragma: no cover - runs in the child process
+    """An agent whose methods a tracing layer wrapped with a bare (*args, **kwargs)."""
+    import numpy as np
+    from nixl._api import nixl_agent
+
+    from safeview import nixl as guard_module
+
+    wrapped = nixl_agent("wrapped", config)
+
+    def trace(original: Any) -> Any:
+        def traced(*args: Any, **kwargs: Any) -> Any:  # no functools.wraps: a bare signature
+            return original(*args, **kwargs)
+
+        return traced
+
+    for name in ("prep_xfer_dlist", "initialize_xfer", "register_memory", "deregister_memory"):
+        setattr(wrapped, name, trace(getattr(wrapped, name)))
+    with capture_events() as events:
+        checked = guard_module.guard(wrapped, registration)
+    attempt("wrapped_register", lambda: checked.register_memory([(base, 2 * BLOCKS * PAGE, 0, "")],
+                                                                "DRAM") is not None)  # fmt: skip
+    short = np.array([[base + BLOCKS * PAGE, 200, 0, PAGE, BLOCKS]], np.uint64)
+    attempt("wrapped_short_row", lambda: checked.prep_xfer_dlist("NIXL_INIT_AGENT", short, "DRAM"))
+    rows = np.array([[base, PAGE, 0, PAGE, BLOCKS]], np.uint64)
+    attempt(
+        "wrapped_clean_row",
+        lambda: checked.prep_xfer_dlist(agent_name="NIXL_INIT_AGENT", xfer_list=rows,
+                                        mem_type="DRAM") is not None,
+    )  # fmt: skip
+    attempt("wrapped_odd_call", lambda: checked.prep_xfer_dlist("NIXL_INIT_AGENT") is not None)
+    attempt("wrapped_events", lambda: [e["event"] for e in events])
+    # only layer 0's row was prepared: layer 1 would never be transferred
+    attempt("coverage_one_layer", lambda: [f.layer for f in guard_module.check_coverage(checked)])
+    with safeview.policy_scope("warn"):
+        attempt(
+            "coverage_one_layer_warn",
+            lambda: [f.message for f in guard_module.check_coverage(checked)],
+        )
+    layer_1 = np.array([[base + BLOCKS * PAGE, PAGE, 0, PAGE, BLOCKS]], np.uint64)
+    checked.prep_xfer_dlist("NIXL_INIT_AGENT", layer_1, "DRAM")
+    attempt("coverage_both_layers", lambda: guard_module.check_coverage(checked))
+    # a transfer posted after its peer is gone fails in transfer() (NIXL_ERR_NOT_FOUND)
+    import torch
+
+    receiver = nixl_agent("receiver", config)
+    landing = torch.zeros(PAGE, dtype=torch.int8)
+    receiver.register_memory([(landing.data_ptr(), PAGE, 0, "")], "DRAM")
+    name = checked.add_remote_agent(receiver.get_agent_metadata())
+    stale = checked.initialize_xfer(
+        "WRITE",
+        checked.get_xfer_descs([(base + BLOCKS * PAGE + PAGE, PAGE, 0)], "DRAM"),
+        checked.get_xfer_descs([(landing.data_ptr(), PAGE, 0)], "DRAM"),
+        name,
+        b"s",
+    )
+    checked.remove_remote_agent(name)
+    attempt("transfer_fails_when_posted", lambda: checked.transfer(stale))
+
+
 # -- the tests: one case each ---------------------------------------------------------------------
 
 
@@ -190,11 +323,11 @@ def nixl() -> dict[str, Any]:
     return report
 
 
-def test_the_guard_returns_the_same_agent_and_leaves_make_prepped_xfer_alone(
-    nixl: dict[str, Any],
-) -> None:
+def test_the_guard_returns_the_same_agent(nixl: dict[str, Any]) -> None:
     assert nixl["same_agent"]
-    assert nixl["make_prepped_xfer_untouched"]
+    # make_prepped_xfer checks nothing: it remembers what a transfer moves (to name its layers
+    # if it fails), and the clean prepared transfers below move as NIXL alone moves them
+    assert nixl["make_prepped_xfer_wrapped"]
 
 
 def test_a_clean_prepared_transfer_moves_the_bytes(nixl: dict[str, Any]) -> None:
@@ -323,6 +456,110 @@ def test_nixl_itself_writes_two_rows_on_the_same_bytes(nixl: dict[str, Any]) -> 
     assert case["moved"] == [1, PAGE + PAGE // 2 - 1]
 
 
+def test_a_tensor_is_one_row_of_its_bytes_as_nixl_reads_it(nixl: dict[str, Any]) -> None:
+    half = nixl["half_page_tensor"]
+    assert (half["error"], half["kind"]) == ("AddressError", "partial_page")
+    assert "128 of the 256 bytes of page 0 of view 'layers.1'" in half["message"]
+    assert half["moved"] == []
+    whole = nixl["whole_page_2d_tensor"]
+    assert (whole["error"], whole["outcome"]) == (None, "DONE")
+    assert whole["events"] == []
+
+
+def test_tensors_and_arrays_register_through_the_guard_as_through_nixl(
+    nixl: dict[str, Any],
+) -> None:
+    for name in ("register_2d_tensor", "register_nx3_off", "register_nx3_strict"):
+        assert (nixl[name]["error"], nixl[name]["outcome"]) == (None, True), name
+    again = nixl["page_again_after_tensor"]
+    assert (again["error"], again["kind"]) == ("AddressError", "duplicate_registration")
+
+
+def test_a_row_on_another_layers_pages_is_the_wrong_layer_once_the_guard_knows_the_intent(
+    nixl: dict[str, Any],
+) -> None:
+    # without the intent, whole pages of some layer are right: the bytes would go to the wrong
+    # layer's pages on the other side, and NIXL moves them
+    blind = nixl["swapped_rows_no_intent"]
+    assert (blind["error"], blind["outcome"]) == (None, "DONE")
+    for name in ("swapped_rows_views", "swapped_rows_told"):
+        case = nixl[name]
+        assert (case["error"], case["kind"]) == ("AddressError", "wrong_layer"), name
+        assert (
+            "is meant for layer 'layers.0' but covers page 0 of view 'layers.1'"
+            in (case["message"])
+        ), name
+        assert case["moved"] == []
+    # rows in the order the guard was told are right
+    told_so = nixl["swapped_rows_told_so"]
+    assert (told_so["error"], told_so["outcome"]) == (None, "DONE")
+
+
+def test_a_failed_registration_is_an_event_naming_the_layers_and_reaches_the_caller(
+    nixl: dict[str, Any],
+) -> None:
+    case = nixl["registration_fails"]
+    assert case["error"] == "nixlBackendError"  # NIXL's own error, unchanged
+    [event] = case["failures"]
+    assert (event["event"], event["level"]) == ("registration_failed", "warning")
+    assert event["layers"] == ["layers.0", "layers.1"]
+    assert event["status"] == "nixlBackendError: NIXL_ERR_BACKEND"
+    assert event["source"] == "nixl.register_memory"
+
+
+def test_a_failed_transfer_is_an_event_naming_the_layers_and_reaches_the_caller(
+    nixl: dict[str, Any],
+) -> None:
+    case = nixl["transfer_fails"]
+    assert case["error"] == "nixlNotFoundError"
+    assert case["events"] == []  # the local row is right: only NIXL refused the transfer
+    [event] = case["failures"]
+    assert (event["event"], event["source"]) == ("transfer_failed", "nixl.initialize_xfer")
+    assert event["layers"] == ["layers.1"]
+    assert "NIXL_ERR_NOT_FOUND" in event["status"]
+
+
+def test_a_layer_no_prepared_row_covers_is_unregistered(nixl: dict[str, Any]) -> None:
+    strict = nixl["coverage_one_layer"]
+    assert (strict["error"], strict["kind"]) == ("CoverageError", None)
+    assert "layer 'layers.1' is to be transferred, but 2,048 of its bytes" in strict["message"]
+    warned = nixl["coverage_one_layer_warn"]
+    [message] = warned["outcome"]
+    assert "in 8 of its 8 pages of 256 bytes" in message
+    assert "covering layers 'layers.0' of the 2 to transfer" in message
+    covered = nixl["coverage_both_layers"]
+    assert (covered["error"], covered["outcome"]) == (None, [])
+
+
+def test_a_transfer_that_fails_when_posted_names_the_layers_of_its_handle(
+    nixl: dict[str, Any],
+) -> None:
+    case = nixl["transfer_fails_when_posted"]
+    assert case["error"] == "nixlNotFoundError"  # NIXL's own error, unchanged
+    [event] = case["failures"]
+    assert (event["event"], event["source"]) == ("transfer_failed", "nixl.transfer")
+    assert event["layers"] == ["layers.1"]  # from the handle initialize_xfer returned
+
+
+def test_clean_transfers_leave_no_failure_event(nixl: dict[str, Any]) -> None:
+    for name in ("clean_prepped", "clean_initialized", "whole_page_2d_tensor"):
+        assert nixl[name]["failures"] == [], name
+
+
+def test_methods_wrapped_without_their_signature_are_bound_by_nixls_own(
+    nixl: dict[str, Any],
+) -> None:
+    assert nixl["wrapped_events"]["outcome"] == []  # no integration_unavailable
+    assert nixl["wrapped_register"]["outcome"] is True
+    short = nixl["wrapped_short_row"]
+    assert (short["error"], short["kind"]) == ("AddressError", "partial_page")
+    assert nixl["wrapped_clean_row"]["outcome"] is True
+    # a call that does not fit NIXL's signature goes to NIXL, which says what is wrong
+    odd = nixl["wrapped_odd_call"]
+    assert odd["error"] == "TypeError"
+    assert "xfer_list" in odd["message"]
+
+
 # -- without the engine --------------------------------------------------------------------------
 
 
@@ -351,13 +588,72 @@ def test_an_agent_with_another_api_is_left_alone_with_one_event() -> None:
     memory = MemoryMap((StorageSpan("kv", 0x1000, 64),), (ViewSpan("x", "kv", 0, 16, 16, 4),))
     agent = _OtherAgent()
     with capture_events() as events:
-        assert guard_module.guard(agent, memory) is agent
-        guard_module.guard(_OtherAgent(), memory)
+        with pytest.warns(RuntimeWarning, match="left the agent unguarded"):
+            assert guard_module.guard(agent, memory) is agent
+        guard_module.guard(_OtherAgent(), memory)  # the same reason: said once
     assert "prep_xfer_dlist" not in vars(agent)
     [unavailable] = [e for e in events if e["event"] == "integration_unavailable"]  # once
     assert unavailable["integration"] == "nixl"
     assert unavailable["reason"] == "prep_xfer_dlist of _OtherAgent takes no agent_name, xfer_list"
     assert agent.prep_xfer_dlist([(0, 1)]) == [(0, 1)]
+
+
+def test_an_agent_left_unguarded_is_said_under_default_logging() -> None:
+    # a plain script, no logging configured: the warning reaches stderr
+    code = (
+        "from safeview import nixl\n"
+        "from safeview.transfer import MemoryMap, StorageSpan, ViewSpan\n"
+        "m = MemoryMap((StorageSpan('kv', 0x1000, 64),), (ViewSpan('x', 'kv', 0, 16, 16, 4),))\n"
+        "agent = object()\n"
+        "assert nixl.guard(agent, m) is agent\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "RuntimeWarning: safeview.nixl.guard left the agent unguarded" in done.stderr
+    assert "has no method prep_xfer_dlist" in done.stderr
+
+
+class _RecordingAgent:
+    """An agent with NIXL 1.5's signatures that records what reaches it (VRAM needs a GPU)."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.registered: list[Any] = []
+
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Any = None) -> Any:
+        return xfer_list
+
+    def initialize_xfer(
+        self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str
+    ) -> Any:
+        return None
+
+    def register_memory(self, reg_list: Any, mem_type: Any = None) -> Any:
+        self.registered.append(reg_list)
+        return reg_list
+
+    def deregister_memory(self, dereg_list: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("order", ["two_gpus_first", "gpu_0_first"])
+def test_a_registration_on_two_gpus_keeps_each_region_on_its_own_device(order: str) -> None:
+    from safeview import nixl as guard_module
+    from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
+
+    memory = MemoryMap((StorageSpan("kv", 0x1000, 64),), (ViewSpan("x", "kv", 0, 16, 16, 4),))
+    agent = guard_module.guard(_RecordingAgent(), memory, policy="strict")
+    both = [(0x10_0000, 4096, 0, ""), (0x20_0000, 4096, 1, "")]
+    one = [(0x10_0800, 256, 0, "")]  # inside the first, on GPU 0
+    first, second = (both, one) if order == "two_gpus_first" else (one, both)
+    agent.register_memory(first, "VRAM")
+    with pytest.raises(safeview.AddressError) as refused:
+        agent.register_memory(second, "VRAM")
+    assert refused.value.kind == "duplicate_registration"
+    assert len(agent.registered) == 1  # the second never reached the engine
+    # the same numbers on two other GPUs are other memory
+    agent.register_memory([(0x10_0800, 256, 2, ""), (0x10_0800, 256, 3, "")], "VRAM")
+    assert len(agent.registered) == 2
 
 
 def test_importing_the_guard_imports_no_engine() -> None:

@@ -65,7 +65,10 @@ def test_names_that_need_torch_say_what_to_install(code: str) -> None:
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: safeview's views, registrations and sanitizer need torch")
-    assert "pip install 'safeview[torch]'" in last
+    # safeview is on no package index: the hint names what works from a checkout or a path
+    assert "pip install -e '.[torch]'" in last
+    assert "pip install '/path/to/safeview[torch]'" in last
+    assert "pip install 'safeview[" not in last
 
 
 def test_a_caught_error_prints_nothing() -> None:

@@ -139,6 +139,8 @@ def _run_probe(value: str | None) -> subprocess.CompletedProcess[str]:
         ("warn", "warn view"),
         ("  Off\n", "off view"),
         ("STRICT", "strict refused"),
+        ("", "strict refused"),  # set to nothing is unset, as SAFEVIEW_LOG_FORMAT= is
+        ("  ", "strict refused"),
     ],
 )
 def test_environment_variable_sets_the_default(value: str | None, expected: str) -> None:
@@ -196,3 +198,46 @@ def test_a_scope_inside_a_suspended_generator_is_seen_by_its_caller() -> None:
     assert current_policy() is Policy.OFF  # the generator is suspended inside its scope
     generator.close()
     assert current_policy() is Policy.STRICT
+
+
+def _warn_cell(row_start: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "policies.md").read_text()
+    [row] = [line for line in text.splitlines() if line.startswith(f"| {row_start}")]
+    return row.strip("|").split("|")[2]
+
+
+def test_warn_where_torch_refuses_is_what_the_block_views_row_says() -> None:
+    from safeview import BoundsError
+    from safeview.kv import block_views
+
+    cell = _warn_cell("`block_views`")
+    assert "cannot be (torch refuses it, safeview does not grow the storage)" in cell
+    assert "`BoundsError` naming every such view, chained to torch's error; on meta it is made" in (
+        cell
+    )
+    raw = torch.zeros(2 * 4 * 16, dtype=torch.int8)
+    caches = {f"l{i}": torch.as_strided(raw, (4, 16), (32, 1), i * 16) for i in range(2)}
+    with pytest.raises(BoundsError) as caught:
+        block_views(caches, dict.fromkeys(caches, 16), num_blocks=5, packed=caches, policy="warn")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert [f.views[0] for f in caught.value.findings] == ["l0", "l1"]
+    assert raw.untyped_storage().nbytes() == 128  # never grown
+    meta_raw = torch.empty(128, dtype=torch.int8, device="meta")
+    on_meta = {f"l{i}": torch.as_strided(meta_raw, (4, 16), (32, 1), i * 16) for i in range(2)}
+    made = block_views(on_meta, dict.fromkeys(on_meta, 16), num_blocks=5, packed=on_meta,
+                       policy="warn")  # fmt: skip
+    assert [view.shape for (view,) in made.tensors_per_block.values()] == [(5, 16)] * 2
+
+
+def test_warn_under_sanitize_lets_the_op_run_as_the_row_says() -> None:
+    import safeview
+
+    assert "a four-argument `set_` past the end of a storage reallocates it" in _warn_cell(
+        "`sanitize()`"
+    )
+    kv = torch.zeros(64, dtype=torch.int8)
+    with safeview.sanitize(policy="warn"):
+        torch.empty(0, dtype=torch.int8).set_(kv.untyped_storage(), 0, (5, 16), (16, 1))
+    assert kv.untyped_storage().nbytes() == 80  # what torch does without safeview

@@ -143,6 +143,34 @@ def _documented_keys() -> dict[str, set[str]]:
     return keys
 
 
+class _FailingEngine:
+    """An engine with Mooncake's methods that fails what it is asked (return codes)."""
+
+    def register_memory(self, buffer_addr: int, capacity: int) -> int:
+        return -1
+
+    def transfer_sync_read(self, target: str, buffer: int, peer: int, length: int) -> int:
+        return -1
+
+    def transfer_sync_write(self, target: str, buffer: int, peer: int, length: int) -> int:
+        return 0
+
+    unregister_memory = batch_transfer_sync_write = batch_transfer_sync_read = register_memory
+
+
+def _engine_failures(registration: Any, address: int) -> None:
+    """``coverage_violation`` (nothing prepared), ``registration_failed``, ``transfer_failed``
+    and ``failure_ignored`` (a write of bytes whose read failed), under warn."""
+    from safeview import mooncake
+    from safeview.coverage import check_coverage
+
+    check_coverage([], registration, policy="warn")
+    engine = mooncake.guard(_FailingEngine(), registration, policy="warn")
+    engine.register_memory(address, 64)
+    engine.transfer_sync_read("peer", address, 0, 32)
+    engine.transfer_sync_write("peer", address, 0, 32)
+
+
 def _emitted(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     kv = torch.zeros(128, dtype=torch.int8)
     meta = torch.empty(64, dtype=torch.int8, device="meta")
@@ -163,9 +191,13 @@ def _emitted(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         )
         address = raw.untyped_storage().data_ptr()
         check_descriptors([(address + 8, 32)], registration, policy="warn")  # across two pages
+        _engine_failures(registration, address)  # coverage and failures the engine reports
         with safeview.sanitize(policy="warn"):  # a view past the end, seen at the dispatcher
             torch.as_strided(meta, (5, 16), (16, 1))
             torch.as_strided(meta.view(torch.float16), (4, 9), (8, 1))
+        shared = torch.zeros(8)  # an out= whose size cannot be worked out: unproven_write
+        with safeview.sanitize(policy="warn"), pytest.raises(RuntimeError):
+            torch.nonzero(torch.ones(4), out=shared[:2])  # float32 where nonzero writes int64
         register_plugin()  # without vLLM installed here: integration_unavailable
         with monkeypatch.context() as patch:  # a failure of safeview's own inside the guard
 
@@ -175,11 +207,27 @@ def _emitted(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
             patch.setattr(Sanitizer, "_judge", broken)
             with safeview.sanitize():
                 torch.as_strided(meta, (2, 2), (2, 1))
+        _process_guard(kv)  # started, a raw view past the end under warn, stopped
     return events
 
 
-# Emitted only where vLLM is installed; tests/test_vllm.py checks its keys against this table.
-NEEDS_VLLM = {"integration_installed"}
+def _process_guard(kv: torch.Tensor) -> None:
+    import ctypes
+
+    from safeview import process
+
+    process.start("warn")
+    try:
+        torch.as_strided(kv, (128,), (1,))  # kv's storage: known memory
+        torch.frombuffer((ctypes.c_uint8 * 160).from_address(kv.data_ptr()), dtype=torch.uint8)
+    finally:
+        process.stop()
+        process._memory.clear()
+
+
+# Emitted only where vLLM is installed; tests/test_vllm.py and tests/test_vllm_layout.py check
+# their keys against this table.
+NEEDS_VLLM = {"integration_installed", "layout_checked", "layout_mismatch"}
 
 
 def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,11 +238,20 @@ def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.Mon
         "view_created",
         "bounds_violation",
         "overlap_violation",
+        "unproven_write",
         "address_violation",
+        "coverage_violation",
+        "registration_failed",
+        "transfer_failed",
+        "failure_ignored",
         "registration_checked",
+        "layout_checked",
+        "layout_mismatch",
         "integration_installed",
         "integration_unavailable",
         "internal_error",
+        "process_guard_started",
+        "process_guard_stopped",
     }
     # bounds_violation has "the keys of view_created" plus its own
     documented["bounds_violation"] |= documented["view_created"]

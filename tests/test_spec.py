@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from torch._prims_common import compute_required_storage_length
 
+import safeview
 from safeview import ArgumentError, BlockLayout, Region, StridedLayout, packed_layouts
 from safeview._arith import INT64_MAX, self_overlap
 from safeview.spec import DTYPE_ITEMSIZE
@@ -452,3 +453,79 @@ def test_packed_layouts_takes_integer_scalars() -> None:
     layouts = packed_layouts(pages, np.int32(3))
     assert [layout.byte_offset for layout in layouts.values()] == [0, 4]
     assert layouts["v"].block_stride_bytes == 8
+
+
+# -- fields in order, refusals as SafeViewError ----------------------------------------------------
+
+
+def test_block_layout_takes_its_fields_in_the_documented_order() -> None:
+    # docs/api.md writes BlockLayout(num_blocks, page_bytes, block_stride_bytes, byte_offset=0)
+    assert BlockLayout(4, 16, 32, 8) == _block()
+    assert BlockLayout(4, 16, 32, byte_offset=8) == _block()
+    assert BlockLayout(4, 16, 16) == BlockLayout(num_blocks=4, page_bytes=16, block_stride_bytes=16)
+    assert BlockLayout(np.int64(4), 16, 32, 8) == _block()
+    assert StridedLayout((2, 4), (4, 1), 0, "float16").extent_bytes == 16
+    assert Region(0, 8) == Region(start_byte=0, end_byte=8)
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: BlockLayout(1, 2, 3, 4, 5), "BlockLayout takes at most 4 positional"),  # type: ignore[call-arg]
+        (lambda: StridedLayout((1,), (1,), 0, "int8", 9), "StridedLayout takes at most 4"),  # type: ignore[call-arg]
+        (lambda: Region(0, 8, start_byte=0), "start_byte given twice"),  # type: ignore[misc]
+    ],
+)
+def test_too_many_or_doubled_fields_are_an_argument_error(call: Any, words: str) -> None:
+    with pytest.raises(ArgumentError, match=words):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: _block(num_blocks=-1), "num_blocks"),
+        (lambda: _block(num_blocks=True), "num_blocks"),
+        (lambda: _block(page_bytes=[16]), "page_bytes"),
+        (lambda: _block(block_stride_bytes=8), "block_stride_bytes"),  # pages overlap
+        (lambda: _block(num_block=4), "num_block"),
+        (lambda: StridedLayout(shape=(2, 3), strides=(1, 1)), "strides"),
+        (lambda: Region(start_byte=3, end_byte=2), ""),
+        (lambda: Region.model_validate((3, 2)), ""),
+        (lambda: _block().model_copy(update={"page_bytes": 0}), "page_bytes"),
+    ],
+)
+def test_a_refused_value_is_a_safeview_error_and_still_pydantics(build: Any, field: str) -> None:
+    with pytest.raises(safeview.SafeViewError) as caught:
+        build()
+    error = caught.value
+    assert isinstance(error, safeview.SpecError)
+    assert isinstance(error, ArgumentError)
+    assert isinstance(error, ValidationError)  # code that catches pydantic's still does
+    [found] = error.errors()
+    assert ".".join(str(part) for part in found["loc"]) == field
+    assert found["msg"] in str(error)
+
+
+def test_a_spec_error_keeps_pydantics_kind_and_context() -> None:
+    with pytest.raises(safeview.SpecError) as caught:
+        _block(num_blocks=-1)
+    [found] = caught.value.errors()
+    assert (found["type"], found["input"], found["ctx"]) == ("greater_than_equal", -1, {"ge": 0})
+
+
+def test_a_layout_rebuilt_from_the_same_variables_is_the_same_and_refusals_stay() -> None:
+    num_blocks, page, stride = 1, 16, 16
+    built = [
+        BlockLayout(num_blocks=num_blocks, page_bytes=page, block_stride_bytes=stride)
+        for _ in range(4)
+    ]
+    assert built[2] is built[3] == BlockLayout(num_blocks=1, page_bytes=16, block_stride_bytes=16)
+    assert built[3].model_fields_set == {"num_blocks", "page_bytes", "block_stride_bytes"}
+    # equal values of another type right after: never the remembered layout
+    with pytest.raises(safeview.SpecError):
+        BlockLayout(num_blocks=True, page_bytes=page, block_stride_bytes=stride)
+    with pytest.raises(safeview.SpecError):
+        BlockLayout(num_blocks=1.0, page_bytes=page, block_stride_bytes=stride)  # type: ignore[arg-type]
+    with_offset = BlockLayout(num_blocks, page, stride, 0)
+    assert with_offset.model_fields_set == {*built[3].model_fields_set, "byte_offset"}

@@ -697,3 +697,125 @@ def test_events_reach_a_host_logger_as_warnings(caplog: pytest.LogCaptureFixture
     [record] = [r for r in caplog.records if "address_violation" in r.getMessage()]
     assert record.levelno == logging.WARNING
     assert record.pathname == __file__
+
+
+# -- arguments and order ---------------------------------------------------------------------------
+
+
+#: the constructors, called with what their types refuse
+ANY_MAP: Any = MemoryMap
+ANY_MEMORY_MAP: Any = memory_map
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: ANY_MAP(None, None), "MemoryMap storages must be a sequence of StorageSpan"),
+        (
+            lambda: ANY_MAP(
+                [{"name": "kv", "address": 4096, "nbytes": 64}],
+                [],
+            ),
+            "MemoryMap storages[0] must be a StorageSpan",
+        ),
+        (
+            lambda: ANY_MAP((StorageSpan("kv", 4096, 64),), [{"name": "x"}]),
+            "MemoryMap views[0] must be a ViewSpan",
+        ),
+        (
+            lambda: ANY_MEMORY_MAP(
+                _report(),
+                addresses={"storage0": "0x1000"},
+            ),
+            "addresses['storage0'] must be an integer address; got '0x1000'",
+        ),
+        (
+            lambda: ANY_MEMORY_MAP(
+                _report(), addresses={"storage0": 4096}, devices={"storage0": 0}
+            ),
+            "devices['storage0'] must be a device name",
+        ),
+    ],
+    ids=["none", "storages_of_dicts", "views_of_dicts", "address_string", "device_number"],
+)
+def test_a_memory_map_of_the_wrong_kind_is_an_argument_error_naming_the_argument(
+    make: Any, words: str
+) -> None:
+    with pytest.raises(ArgumentError) as raised:
+        make()
+    assert words in str(raised.value)
+
+
+def _report() -> Any:
+    from safeview.kv import check_tensors
+
+    kv = torch.zeros(64, dtype=torch.int8)
+    return check_tensors({"x": kv.view(4, 16)})
+
+
+def test_a_memory_map_takes_plain_tuples_of_the_spans_fields() -> None:
+    made = ANY_MAP([("kv", 0x1000, 64)], [("x", "kv", 0, 16, 16, 4)])
+    assert made.storages == (StorageSpan("kv", 0x1000, 64),)
+    assert made.views == (ViewSpan("x", "kv", 0, 16, 16, 4),)
+
+
+def test_whole_blocks_of_a_packed_group_pass_whatever_the_order_of_the_views() -> None:
+    # three layers packed block-major (576-byte pages in 1,728-byte blocks) and a layer of
+    # another group over the same bytes from the same base (its own page, the same period)
+    base = 0x7F00_0000_0000
+    packed = [ViewSpan(f"layers.{n}", "kv", n * 576, 576, 1728, 10) for n in range(3)]
+    other = [ViewSpan("state.0", "kv", 0, 1024, 1728, 10)]
+    for views in (other + packed, packed + other, packed[::-1] + other):
+        kv = MemoryMap((StorageSpan("kv", base, 10 * 1728),), tuple(views))
+        assert check_descriptors([(base, 1728, 0, 1728, 10)], kv) == [], [v.name for v in views]
+        assert check_descriptors([(base + 1728 * 4, 1728 * 2, 0)] * 9, kv) == []  # vectorised
+        assert check_descriptors([(base, 1024, 0, 1728, 10)], kv) == []  # the other layer
+
+
+# -- the example ---------------------------------------------------------------------------------
+
+
+def test_the_transfer_example_runs_against_both_engines_and_says_what_the_guard_did() -> None:
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    engines = [importlib.util.find_spec(name) is not None for name in ("nixl", "mooncake")]
+    if not all(engines) and os.environ.get("SAFEVIEW_REQUIRE_ENGINES") != "1":
+        pytest.skip("NIXL or Mooncake is not installed here; .ci/run installs both")
+    example = Path(__file__).resolve().parent.parent / "examples" / "transfer_guard.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # os._exit(0): no crash at exit
+    said = [line for line in done.stdout.splitlines() if line.startswith(("NIXL,", "Mooncake,"))]
+    assert said == [
+        "NIXL, whole pages: DONE",
+        "NIXL, strict: partial_page - ('layers.1',)",
+        "NIXL, warn: moved anyway: DONE",
+        "NIXL, rows in the wrong order: wrong_layer - meant for 'layers.0'",
+        "Mooncake, one whole page: status 0",
+        "Mooncake, strict: outside_view - ('layers.0',)",
+    ]
+    assert done.stdout.count("address_violation") == 4  # each refusal or warning, as an event
+
+
+def test_without_numpy_the_hint_says_what_works_from_a_checkout() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['numpy'] = None  # as if numpy were not installed\n"
+        "from safeview.transfer import MemoryMap, StorageSpan, ViewSpan, check_descriptors\n"
+        "m = MemoryMap((StorageSpan('kv', 4096, 64),), (ViewSpan('x', 'kv', 0, 16, 16, 4),))\n"
+        "try:\n"
+        "    check_descriptors([(4096, 16)], m)\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert 'pip install -e ".[transfer]"' in done.stdout
+    assert "'safeview[transfer]'" not in done.stdout

@@ -688,7 +688,7 @@ PLACING_SET_SITES = {
     # make_view's view, only under `if fits:`, the extent proven to be at most the storage size
     ("_torch.py", "view_of"),
     # the guard's meta stand-ins of an op's arguments, on meta storages it has just made
-    ("_torch.py", "_meta_like"),
+    ("_torch_dispatch.py", "_meta_like"),
 }
 
 

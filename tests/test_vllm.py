@@ -205,6 +205,31 @@ def test_a_clean_registration_through_the_factory_runs_the_worker_unchanged(
     assert summary["violations"] == 0
 
 
+def test_under_the_process_guard_the_registered_caches_are_known_memory(
+    plugin: list[dict[str, Any]],
+) -> None:
+    import ctypes
+
+    from safeview import process
+
+    built = harness.build("full_attention_lbnhc", "cpu")
+    process.start("strict")
+    try:
+        harness.run_via_connector(built)
+        known = {name for s in process._memory.storages.values() for _, _, name in s.layers}
+        storage = next(iter(built.kv_caches.values())).untyped_storage()
+        end = storage.data_ptr() + storage.nbytes()
+        # a raw pointer 32 bytes before the end of the cache, read as 64 bytes (LMCache's way)
+        with pytest.raises(BoundsError) as caught:
+            torch.frombuffer((ctypes.c_uint8 * 64).from_address(end - 32), dtype=torch.uint8)
+    finally:
+        process.stop()
+        process._memory.clear()
+    assert known == set(built.kv_caches)
+    assert caught.value.overflow_bytes == 32
+    assert caught.value.name == list(built.kv_caches)[-1]
+
+
 def test_aliasing_is_refused_before_the_worker_runs(plugin: list[dict[str, Any]]) -> None:
     built = harness.build("full_attention_lbnhc", "cpu", alias_two_layers=True)
     harness.RECEIVED.clear()
@@ -411,3 +436,72 @@ def test_two_layers_of_one_group_handed_one_tensor_are_refused_for_any_connector
     with pytest.raises(OverlapError):
         harness.run_via_connector(built, connector="RecordingConnector", module_path=__name__)
     assert RecordingConnector.received == []
+
+
+def _with_a_layer_sharing(built: Any, target: str) -> str:
+    """vLLM's cross-layer KV sharing, as its model runner does it: a layer that is in no
+    KV-cache group is handed its target's very tensor (``kv_caches[layer] =
+    kv_caches[target]``), and the dict with both goes to ``register_kv_caches``."""
+    sharing = "model.layers.3.self_attn.attn"
+    groups = {name for group in built.kv_cache_config.kv_cache_groups for name in group.layer_names}
+    assert sharing not in groups
+    built.kv_caches = {**built.kv_caches, sharing: built.kv_caches[target]}
+    return sharing
+
+
+def test_a_layer_sharing_another_layers_cache_does_not_hide_it_from_the_sanitizer(
+    plugin: list[dict[str, Any]],
+) -> None:
+    built = harness.build("full_attention_lbnhc", "cpu")
+    first, second = list(built.kv_caches)[:2]
+    _with_a_layer_sharing(built, first)
+    cache = built.kv_caches[first]
+    first_v = int(cache.storage_offset()) + cache.numel() // 2  # elements of layer 0's V
+    before = (built.storage.data_ptr(), built.storage.nbytes())
+    RecordingConnector.received.clear()
+    RecordingConnector.v_page_of = {}
+    clean = harness.run_via_connector(built, connector="RecordingConnector", module_path=__name__)
+    assert clean.error is None  # the sharing layer's own views of its target's cache are fine
+    assert len(RecordingConnector.received) == 1
+    RecordingConnector.received.clear()
+    RecordingConnector.v_page_of = {second: first_v}  # layer 1's V on layer 0's V
+    try:
+        with pytest.raises(OverlapError) as caught:
+            harness.run_via_connector(built, connector="RecordingConnector", module_path=__name__)
+    finally:
+        RecordingConnector.v_page_of = {}
+    [finding] = caught.value.findings
+    assert finding.views[0].startswith(f"{first}: ")
+    assert finding.views[1].startswith(f"{second}: ")
+    assert finding.byte == first_v * cache.element_size()
+    assert RecordingConnector.received == []
+    assert (built.storage.data_ptr(), built.storage.nbytes()) == before
+
+
+def test_under_warn_a_layer_sharing_another_layers_cache_changes_nothing_but_the_log(
+    plugin: list[dict[str, Any]],
+) -> None:
+    built = harness.build("full_attention_lbnhc", "cpu")
+    first, second = list(built.kv_caches)[:2]
+    _with_a_layer_sharing(built, first)
+    cache = built.kv_caches[first]
+    first_v = int(cache.storage_offset()) + cache.numel() // 2
+    before = (built.storage.data_ptr(), built.storage.nbytes())
+    RecordingConnector.received.clear()
+    RecordingConnector.v_page_of = {second: first_v}
+    try:
+        with safeview.policy_scope("warn"):
+            run = harness.run_via_connector(
+                built, connector="RecordingConnector", module_path=__name__
+            )
+    finally:
+        RecordingConnector.v_page_of = {}
+    assert run.error is None
+    assert [list(caches) for caches in RecordingConnector.received] == [list(built.kv_caches)]
+    assert (built.storage.data_ptr(), built.storage.nbytes()) == before
+    # layer 1's V on layer 0's own bytes, then on the views the sharing layer makes of them
+    events = [e for e in plugin if e["event"] == "overlap_violation"]
+    assert events[0]["byte"] == first_v * cache.element_size()
+    assert events[0]["views"][0].startswith(f"{first}: ")
+    assert all(e["policy"] == "warn" and e["level"] == "warning" for e in events)
+    assert all(any(view.startswith(f"{second}: ") for view in e["views"]) for e in events)

@@ -65,6 +65,8 @@ def unguarded() -> Any:
         [
             harness.Scenario("attention_two_pages", fault="shared_block_len"),
             harness.Scenario("attention_two_pages"),
+            harness.Scenario("attention_lbhnc", fault="skip_layer"),
+            harness.Scenario("attention_lbhnc", fault="region_of_layer_0"),
         ],
         env={"SAFEVIEW_VLLM": "0"},
     )
@@ -80,6 +82,12 @@ def guarded() -> Any:
             harness.Scenario("attention_two_pages", fault="shared_block_len", policy="strict"),
             harness.Scenario("attention_two_pages", fault="shared_block_len", policy="warn"),
         ]
+        + [
+            harness.Scenario("attention_lbhnc", fault=fault, policy=policy)
+            for fault in ("skip_layer", "region_of_layer_0")
+            for policy in ("strict", "warn")
+        ]
+        + [harness.Scenario("attention_lbhnc", fault="kv_sharing_layer", policy="strict")]
     )
 
 
@@ -137,7 +145,9 @@ def test_every_healthy_layout_registers_and_transfers_unchanged_under_strict(
         assert result["sides"][side]["guarded"], side  # the plugin guarded the agent
         assert result["sides"][side]["same_agent"], side  # the very object vLLM made
         assert result["sides"][side]["local_rows"] == EXPECTED_ROWS[case], side
-    assert [e for e in result["events"] if e["event"] == "address_violation"] == []
+    # every layer covered (the packed MLA row covers all three), nothing failed
+    quiet = ("address_violation", "coverage_violation", "registration_failed", "transfer_failed")
+    assert [e for e in result["events"] if e["event"] in quiet] == []
 
 
 def test_the_guarded_transfer_moves_what_vllm_alone_moves(guarded: Any, unguarded: Any) -> None:
@@ -185,6 +195,83 @@ def test_under_warn_a_shared_block_length_is_logged_once_per_worker_and_moves_as
     lines = [line for line in guarded.output.splitlines() if 'event="address_violation"' in line]
     assert any(" WARNING " in line and LAYER_1 in line for line in lines)
     assert any(" ERROR " in line and LAYER_1 in line for line in lines)  # the strict scenario
+
+
+# -- nothing left behind ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["skip_layer", "region_of_layer_0"])
+def test_without_safeview_a_layer_no_descriptor_covers_reads_as_zeros_and_nothing_says_so(
+    unguarded: Any, fault: str
+) -> None:
+    result = _by_scenario(unguarded)[("attention_lbhnc", fault, None)]
+    assert result["error"] is None
+    assert result["transfer"]["done"]
+    assert not result["transfer"]["failed"]
+    delivered = {name: layer["delivered_bytes"] for name, layer in result["layers"].items()}
+    assert delivered == {LAYER_0: [32768] * 3, LAYER_1: [0] * 3, LAYER_2: [32768] * 3}
+    assert result["events"] == []
+
+
+def test_a_layer_the_worker_does_not_prepare_is_refused_under_strict_before_any_transfer(
+    guarded: Any,
+) -> None:
+    result = _by_scenario(guarded)[("attention_lbhnc", "skip_layer", "strict")]
+    error = result["error"]
+    assert (error["stage"], error["type"]) == ("P.register_kv_caches", "CoverageError")
+    assert f"layer '{LAYER_1}' is to be transferred, but 327,680 of its bytes" in error["message"]
+    assert "in 10 of its 10 pages of 32,768 bytes" in error["message"]
+    assert result["transfer"] is None
+    assert result["d_untouched"]
+    [event] = [e for e in result["events"] if e["event"] == "coverage_violation"]
+    assert (event["level"], event["kind"], event["layer"]) == ("error", "unregistered", LAYER_1)
+    assert (event["pages_missing"], event["bytes_missing"]) == (10, 327680)
+
+
+def test_under_warn_a_layer_left_out_is_one_event_per_worker_and_moves_as_without(
+    guarded: Any, unguarded: Any
+) -> None:
+    result = _by_scenario(guarded)[("attention_lbhnc", "skip_layer", "warn")]
+    alone = _by_scenario(unguarded)[("attention_lbhnc", "skip_layer", None)]
+    assert result["error"] is None
+    assert result["layers"] == alone["layers"]  # layer 1 stays zero, as without safeview
+    assert result["sides"]["P"]["local_rows"] == alone["sides"]["P"]["local_rows"]
+    events = [e for e in result["events"] if e["event"] == "coverage_violation"]
+    assert [(e["level"], e["layer"]) for e in events] == [("warning", LAYER_1)] * 2  # P and D
+
+
+def test_a_region_on_another_layers_pages_is_the_wrong_layer_by_the_plugins_intent(
+    guarded: Any, unguarded: Any
+) -> None:
+    # vLLM's worker names each region after its layer: safeview tells the guard, so a row of
+    # whole pages of layer 0 in layer 1's place is refused
+    strict = _by_scenario(guarded)[("attention_lbhnc", "region_of_layer_0", "strict")]
+    error = strict["error"]
+    assert (error["stage"], error["type"]) == ("P.register_kv_caches", "AddressError")
+    assert error["attributes"]["kind"] == "wrong_layer"
+    assert (
+        f"is meant for layer '{LAYER_1}' but covers page 0 of view '{LAYER_0}'"
+        in (error["message"])
+    )
+    assert strict["transfer"] is None
+    assert strict["d_untouched"]
+    warn = _by_scenario(guarded)[("attention_lbhnc", "region_of_layer_0", "warn")]
+    alone = _by_scenario(unguarded)[("attention_lbhnc", "region_of_layer_0", None)]
+    assert warn["layers"] == alone["layers"]
+    kinds = [(e["event"], e.get("kind")) for e in warn["events"] if e["level"] == "warning"]
+    assert (
+        kinds == [("address_violation", "wrong_layer"), ("coverage_violation", "unregistered")] * 2
+    )
+
+
+def test_a_layer_sharing_another_layers_cache_is_skipped_as_vllm_skips_it(guarded: Any) -> None:
+    # in no KV-cache group, with no spec: vLLM's worker does not transfer it, and nothing says
+    # it is left out
+    result = _by_scenario(guarded)[("attention_lbhnc", "kv_sharing_layer", "strict")]
+    _whole_pages_arrived(result)
+    assert result["sides"]["P"]["local_rows"] == EXPECTED_ROWS["attention_lbhnc"]
+    quiet = ("address_violation", "coverage_violation", "internal_error", "integration_unavailable")
+    assert [e for e in result["events"] if e["event"] in quiet] == []
 
 
 # -- what the plugin cannot guard, it leaves alone ---------------------------------------------

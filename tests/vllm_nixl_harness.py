@@ -29,10 +29,21 @@ In that process, for each scenario:
   each worker's agent was guarded, the error that stopped the scenario if any (with its stage),
   and the safeview events emitted.
 
-The one fault a scenario can inject is the class of vLLM issue 57661: ``shared_block_len`` gives
-region 1 (layer 1) the block length of region 0 on both workers, just before each prepares its
-local descriptors (``register_local_xfer_handler``), so both the local rows and the handshake
-metadata carry it. NIXL accepts such rows: they lie inside the registered memory.
+The faults a scenario can inject, each on both workers (so that vLLM's handshake accepts them):
+
+- ``shared_block_len``, the class of vLLM issue 57661: region 1 (layer 1) takes the block length
+  of region 0, just before each worker prepares its local descriptors
+  (``register_local_xfer_handler``), so both the local rows and the handshake metadata carry it.
+  NIXL accepts such rows: they lie inside the registered memory.
+- ``skip_layer``: the worker loses layer 1's spec before it registers (as a worker that skips a
+  layer it should transfer: ROCm/ATOM PR 2154's state pool, GLM's index buffers), so it registers
+  and prepares every layer but layer 1; the READ succeeds and layer 1 stays zero on D.
+- ``region_of_layer_0``: region 1 takes region 0's base address just before the local
+  descriptors are prepared (regions paired by address, vLLM issue 57661's other half): layer 0's
+  pages are moved twice and layer 1's never.
+- ``kv_sharing_layer`` (legitimate, not a fault): the caches handed to the connector also hold a
+  fourth layer that shares layer 0's cache and is in no KV-cache group, as vLLM's cross-layer KV
+  sharing hands it; the worker skips it on purpose (it has no spec).
 
 The worker pins the process's CPU affinity to one core when it is built; the harness restores it.
 UCX may crash the interpreter at exit, so the process prints its results as one JSON line and
@@ -130,7 +141,7 @@ CASES: dict[str, Case] = {
 }
 
 #: the faults a scenario can inject (see the module docstring)
-FAULTS = ("shared_block_len",)
+FAULTS = ("shared_block_len", "skip_layer", "region_of_layer_0", "kv_sharing_layer")
 
 
 @dataclass(frozen=True)
@@ -372,6 +383,23 @@ def _share_block_len(worker: Any) -> None:
     worker.register_local_xfer_handler = register_local_xfer_handler
 
 
+def _skip_layer(worker: Any) -> None:
+    """The worker forgets layer 1's spec, so its ``register_kv_caches`` skips the layer."""
+    worker._layer_specs.pop(layer_name(1))
+
+
+def _region_of_layer_0(worker: Any) -> None:
+    """Region 1 takes region 0's base address, just before the local descriptors are built."""
+    prepare = worker.register_local_xfer_handler
+
+    def register_local_xfer_handler(*args: Any, **kwargs: Any) -> Any:
+        bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
+        bases[1] = bases[0]
+        return prepare(*args, **kwargs)
+
+    worker.register_local_xfer_handler = register_local_xfer_handler
+
+
 def _connect(child: _Child, side: _Side, fault: str | None) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -391,8 +419,15 @@ def _connect(child: _Child, side: _Side, fault: str | None) -> None:
         _record_rows(side)
         if fault == "shared_block_len":
             _share_block_len(side.worker)
+        elif fault == "skip_layer":
+            _skip_layer(side.worker)
+        elif fault == "region_of_layer_0":
+            _region_of_layer_0(side.worker)
+        caches = side.kv_caches
+        if fault == "kv_sharing_layer":
+            caches = {**caches, layer_name(3): caches[layer_name(0)]}
         # as the model runner does once the caches are allocated (gpu_model_runner.py)
-        side.connector.register_kv_caches(side.kv_caches)
+        side.connector.register_kv_caches(caches)
 
 
 def _fill(side: _Side, seed: int) -> None:

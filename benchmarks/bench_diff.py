@@ -1,0 +1,134 @@
+"""Cost of layout manifests and of ``safeview.diff``, with verdicts.
+
+1. ``diff`` of two 1,000-layer manifests (vLLM 0.33 attention pages, bf16, 8 heads of 128, 16
+   tokens), read from JSON as the command reads them (target: well under a second, verdict at
+   1 s) and in memory (verdict at 0.1 s), identical and with every layer's layout moved (NHD
+   against HND: 1,000 findings). A page is compared once per distinct pair of layouts.
+2. ``describe`` of 100 layers (vLLM 0.33 ``[B, H, N, K|V]`` views of one buffer, on meta)
+   against a guarded registration of the same layers as the plugin runs one: the worker's
+   views judged first (``safeview.kv.block_views``), then the worker's own loop (one
+   four-argument ``set_`` per layer, as vLLM 0.33's offloading worker) under ``sanitize()``.
+   The issue's target: describing adds at most 5% to it. The real worker does more than this
+   loop (``docs/costs.md``: about 10 ms for 101 layers), so the figure here is an upper bound.
+
+Each figure is the median over rounds. Run: python benchmarks/bench_diff.py [--rounds 21]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import safeview
+from safeview.kv import block_views
+from safeview.manifest import Manifest, assumed, vllm_axes
+
+HEADS, TOKENS, HEAD_SIZE, BLOCKS = 8, 16, 128, 1000
+
+
+def median_s(fn: Callable[[], object], rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=21)
+    rounds = parser.parse_args().rounds
+    verdicts: list[tuple[str, float, float]] = []
+
+    names = [f"model.layers.{i}.self_attn" for i in range(1000)]
+    sizes = dict(num_blocks=BLOCKS, block_tokens=TOKENS, num_heads=HEADS, head_size=HEAD_SIZE)
+    hnd = assumed("NB_NH_BS_2HS", layers=names, dtype="bfloat16", **sizes)  # type: ignore[arg-type]
+    nhd = assumed("NB_BS_NH_2HS", layers=names, dtype="bfloat16", **sizes)  # type: ignore[arg-type]
+    hnd_json, nhd_json = hnd.to_json(), nhd.to_json()
+
+    def same() -> object:
+        return safeview.diff(Manifest.from_json(hnd_json), Manifest.from_json(hnd_json))
+
+    def moved() -> object:
+        return safeview.diff(Manifest.from_json(hnd_json), Manifest.from_json(nhd_json))
+
+    for label, fn in (("identical", same), ("every layer moved", moved)):
+        seconds = median_s(fn, rounds)
+        print(
+            f"  diff of two 1,000-layer manifests read from JSON, {label}: {seconds * 1e3:.1f} ms"
+        )
+        verdicts.append((f"diff 1,000 layers from JSON, {label} (s)", seconds, 1.0))
+    loaded = (
+        Manifest.from_json(hnd_json),
+        Manifest.from_json(hnd_json),
+        Manifest.from_json(nhd_json),
+    )
+    for label, pair in (("identical", loaded[:2]), ("every layer moved", (loaded[0], loaded[2]))):
+        seconds = median_s(lambda pair=pair: safeview.diff(*pair), rounds)  # type: ignore[misc]
+        print(f"  diff of two 1,000-layer manifests in memory, {label}: {seconds * 1e3:.1f} ms")
+        verdicts.append((f"diff 1,000 layers in memory, {label} (s)", seconds, 0.1))
+
+    page = HEADS * TOKENS * 2 * HEAD_SIZE * 2
+    raw = torch.empty(100 * BLOCKS * page, dtype=torch.int8, device="meta")
+    caches = {}
+    for i in range(100):
+        flat = torch.as_strided(raw, (BLOCKS, page), (page, 1), i * BLOCKS * page)
+        layer = flat.view(torch.bfloat16).view(BLOCKS, HEADS, TOKENS, 2 * HEAD_SIZE)
+        caches[f"model.layers.{i}.self_attn"] = layer
+    pages = dict.fromkeys(caches, page)
+
+    def guarded_registration() -> object:
+        views = block_views(caches, pages, num_blocks=BLOCKS)
+        with safeview.sanitize():
+            for ref in caches.values():
+                elem = ref.element_size()
+                torch.tensor([], dtype=torch.int8, device=ref.device).set_(
+                    ref.untyped_storage(),
+                    ref.storage_offset() * elem,
+                    (BLOCKS, page),
+                    (ref.stride(0) * elem, 1),
+                )
+        return views
+
+    def described() -> object:
+        return safeview.describe(caches, axes=vllm_axes())
+
+    # interleaved round by round, the figure the median of the per-round ratios: noise that
+    # hits a whole round (this machine is shared) cancels
+    guarded_registration()
+    described()
+    shares, registration_s, describe_s = [], [], []
+    for _ in range(rounds * 4):
+        start = time.perf_counter()
+        guarded_registration()
+        middle = time.perf_counter()
+        described()
+        end = time.perf_counter()
+        registration_s.append(middle - start)
+        describe_s.append(end - middle)
+        shares.append((end - middle) / (middle - start))
+    share = statistics.median(shares)
+    low, _, high = statistics.quantiles(shares, n=4)
+    print(
+        f"  100 layers: guarded registration {statistics.median(registration_s) * 1e3:.2f} ms, "
+        f"describe {statistics.median(describe_s) * 1e3:.2f} ms = {share:.1%} of it "
+        f"(IQR {low:.1%}-{high:.1%}, {rounds * 4} rounds)"
+    )
+    verdicts.append(("describe / guarded registration, 100 layers", share, 0.05))
+
+    failed = 0
+    for name, figure, limit in verdicts:
+        ok = figure <= limit
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {figure:.3f} (limit {limit})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""Build hook: install safeview's start-up hook (``safeview-guard.pth``) into site-packages.
+
+A ``.pth`` file must sit at the top of site-packages to be read at interpreter start, outside the
+package folder; hatchling copies it there for a regular wheel (``pip install .``) and for an
+editable one (``pip install -e .``) alike. The hook's one line reads ``SAFEVIEW_GUARD`` and, when
+it is unset or empty, imports nothing (``safeview/_startup.py`` says what it does otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+SOURCE = "safeview/_guard.pth"
+INSTALLED = "safeview-guard.pth"
+
+
+class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
+    def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        if self.target_name != "wheel":
+            return
+        key = "force_include_editable" if version == "editable" else "force_include"
+        build_data.setdefault(key, {})[SOURCE] = INSTALLED

@@ -1,0 +1,138 @@
+"""``safeview diff SENDER RECEIVER``: will two engines (or an engine and a connector, or one
+engine before and after an upgrade) read the same bytes the same way? Never imports torch.
+
+Each side is a manifest file or a folder of one engine's per-rank manifests (``*.json``). Exit
+status 0 compatible, 1 a mismatch (a line per finding, the first byte named), 2 bad input (one
+line on standard error, never a traceback); ``--json`` prints one document with ``$schema``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from safeview.errors import SafeViewError
+
+__all__ = ["add_diff_command", "run_diff"]
+
+COMPATIBLE, MISMATCH, UNUSABLE = 0, 1, 2
+
+
+def _shown(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
+
+
+def _load_side(argument: str) -> list[Any]:
+    from safeview.errors import ManifestError
+    from safeview.manifest import Manifest
+
+    path = Path(argument)
+    try:
+        if path.is_dir():
+            files = sorted(p for p in path.glob("*.json") if p.is_file())
+            if not files:
+                raise ManifestError(argument, None, "is a folder that holds no *.json manifest")
+            manifests = [Manifest.read(file) for file in files]
+            engines = sorted({str(m.topology.engine) for m in manifests})
+            if len(engines) > 1:
+                raise ManifestError(
+                    argument,
+                    ", ".join(engines),
+                    "holds manifests of several engines: give one engine's folder",
+                )
+            return manifests
+    except (OSError, ValueError) as error:
+        if isinstance(error, SafeViewError):
+            raise
+        raise ManifestError(argument, None, f"cannot be read: {error}") from None
+    return [Manifest.read(path)]
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    """``safeview diff``: load both sides, compare, print; the exit status."""
+    from safeview.layout_diff import DIFF_SCHEMA, diff
+
+    out = args.out
+    try:
+        sender = _load_side(args.sender)
+        receiver = _load_side(args.receiver)
+        report = diff(sender, receiver, rule=args.rule)
+    except SafeViewError as error:
+        if not args.quiet:
+            print(f"safeview: {_shown(str(error))}", file=sys.stderr)
+        if args.json:
+            document = {
+                "$schema": DIFF_SCHEMA,
+                "verdict": "error",
+                "exit_code": UNUSABLE,
+                "error": str(error),
+            }
+            out.line(json.dumps(document, indent=2))
+        return UNUSABLE
+    code = COMPATIBLE if report.compatible else MISMATCH
+    if args.json:
+        document = {**report.to_json(), "exit_code": code}
+        document["sender"], document["receiver"] = args.sender, args.receiver
+        out.line(json.dumps(document, indent=2))
+        return code
+    if args.quiet:
+        return code
+    layers = f"{len(report.layers):,} layer{'s' if len(report.layers) != 1 else ''}"
+    pair = f"{_shown(args.sender)} -> {_shown(args.receiver)}"
+    if report.compatible:
+        skipped = f"; {len(report.skipped):,} not judged" if report.skipped else ""
+        out.line(f"COMPATIBLE {pair} ({layers}, rule {report.rule}{skipped})")
+        out.line("every byte a transfer fills means to the receiver what the sender wrote there.")
+        return code
+    out.line(f"MISMATCH {pair} ({layers}, rule {report.rule})")
+    for finding in report.findings[: args.max_findings]:
+        out.line(f"  {finding.kind}  {_shown(finding.message)}")
+    if len(report.findings) > args.max_findings:
+        out.line(f"  ... and {len(report.findings) - args.max_findings:,} more")
+    return code
+
+
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a count (0 or more), got {value!r}")
+    return number
+
+
+def add_diff_command(commands: Any) -> None:
+    """Add ``diff`` to the command's subparsers."""
+    from safeview.layout_diff import RULES
+
+    parser = commands.add_parser(
+        "diff",
+        help="compare what two engines' KV-cache bytes mean (layout manifests)",
+        description="Compare two layout manifests layer by layer, by name: does every byte a "
+        "transfer fills mean to the receiver what the sender wrote there? Exit status: 0 "
+        "compatible, 1 mismatch, 2 bad input.",
+    )
+    parser.add_argument("sender", metavar="SENDER", help="a manifest file, or a folder of one "
+                        "engine's per-rank manifests (for P/D: the prefill side)")  # fmt: skip
+    parser.add_argument("receiver", metavar="RECEIVER", help="the same, for the receiving side")
+    parser.add_argument(
+        "--rule",
+        choices=RULES,
+        default="page_copy",
+        help="how bytes move: page_copy (block to block, default), vllm_nixl (vLLM's NIXL "
+        "connector, heterogeneous TP and block tokens), in_place (the receiver reads the "
+        "sender's memory where it lies: a connector's assumed format)",
+    )
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print one JSON document")
+    shown.add_argument("-q", "--quiet", action="store_true", help="print nothing; exit status")
+    parser.add_argument(
+        "--max-findings", type=_count, default=20, metavar="N", help="show at most N findings"
+    )
+    parser.set_defaults(run=run_diff)

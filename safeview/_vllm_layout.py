@@ -1,0 +1,637 @@
+"""Two vLLM engines, one layout: the vLLM plugin's use of ``safeview.describe`` and ``diff``.
+
+At registration, each KV connector worker's caches are described (``safeview.describe`` with
+vLLM's axis names, the worker's tensor-parallel rank and size, total KV heads, kernel and logical
+block tokens, layout name and engine id) into a ``Manifest``; its fingerprint goes into the
+``registration_checked`` event, and with ``SAFEVIEW_MANIFEST_DIR`` set the manifest is written
+there as ``ENGINE/ENGINE.tpRANKofSIZE.manifest.json`` (a folder per engine, files named by
+``Manifest.file_name``), so one folder can hold every rank of both engines of a pair and
+``safeview diff FOLDER/P FOLDER/D --rule vllm_nixl`` compares them.
+
+With vLLM 0.33's NIXL connector, a decode worker (D) meets a prefill engine (P) in
+``add_remote_agent(metadata, remote_tp_rank, remote_tp_size, ...)``, which the handshake thread
+calls once per P rank with P's ``NixlAgentMetadata``, before it prepares a single descriptor of
+P's and long before any READ. That method is wrapped on the worker instance: D's manifest is
+diffed (rule ``vllm_nixl``) against P's, which is
+
+- P's own derived manifests, when ``SAFEVIEW_MANIFEST_DIR`` holds them for P's engine id and
+  its tensor-parallel size (both engines see one folder: one host, or a shared filesystem), and
+  they agree with what P's metadata reports (block tokens, block count, layout name); or
+- a manifest rebuilt from P's metadata: each region's layer name, block length, block stride,
+  block count, block tokens and layout name, with D's dtype and head size (the compatibility
+  hash vLLM checks first makes them equal), every P rank alike.
+
+The event says which (``against``: ``manifest`` or ``nixl_metadata``). Under strict a mismatch
+fails that handshake with ``LayoutMismatchError`` (a ``SafeViewError`` naming the layer and the
+byte): vLLM fails the requests waiting for that P, as it does for its own refusals, and the
+engine, its other requests and its other peers go on. Under warn a ``layout_mismatch`` event,
+and vLLM goes on as it would. Off: nothing. A compatible pair gets one ``layout_checked`` event.
+
+At start-up, a D whose folder already holds other engines' manifests judges itself against each
+(``when``: ``startup``): an event only, since the P it will meet is not known yet; the refusal,
+if any, comes at that P's handshake.
+
+Pairs the ``vllm_nixl`` rule does not model are left to vLLM, with a ``layout_checked`` event
+whose ``verdict`` is ``not_judged`` and a reason (push mode, host staging buffers, a permute of
+another layout, Mamba state when P's manifests are not at hand, packed MLA rows, pipeline or
+context parallelism). safeview's own failure never stops the engine: one
+``integration_unavailable`` event, and vLLM goes on unjudged.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from safeview import log
+from safeview.errors import LayoutMismatchError, ManifestError
+from safeview.layout_diff import DiffReport, diff
+from safeview.manifest import (
+    Layer,
+    Manifest,
+    Topology,
+    describe,
+    heads_of_rank,
+    layer_from_geometry,
+    vllm_axes,
+)
+from safeview.policy import Policy
+
+__all__ = ["ENV_MANIFEST_DIR", "Registered", "at_registration", "manifest_dir"]
+
+ENV_MANIFEST_DIR = "SAFEVIEW_MANIFEST_DIR"
+_PATCHED = "__safeview_layout_guarded__"
+_SUFFIX = ".manifest.json"
+
+
+def manifest_dir() -> Path | None:
+    """The folder ``SAFEVIEW_MANIFEST_DIR`` names, or ``None`` when it is unset or blank."""
+    raw = os.environ.get(ENV_MANIFEST_DIR, "").strip()
+    return Path(raw) if raw else None
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # an import that fails is an unknown vLLM too
+        return "not importable"
+
+
+_stepped_aside: set[str] = set()
+
+
+def _step_aside(what: str, error: BaseException) -> None:
+    """Say once per process and ``what`` why safeview leaves the layouts unjudged."""
+    if what not in _stepped_aside:
+        _stepped_aside.add(what)
+        log.integration(
+            "integration_unavailable",
+            integration="vllm",
+            reason=f"{what}: {type(error).__name__}: {error}",
+            version=_vllm_version(),
+        )
+
+
+# -- describing a worker's caches --------------------------------------------------------------
+
+
+def _nixl_workers(connector: Any) -> list[Any]:
+    """The NIXL workers of ``connector`` (or of the connectors a ``MultiConnector`` drives)."""
+    parts = [connector, *getattr(connector, "_connectors", ())]
+    workers = [getattr(part, "connector_worker", None) for part in parts]
+    return [w for w in workers if w is not None and hasattr(w, "nixl_wrapper")]
+
+
+def _layer_specs(kv_cache_config: Any) -> dict[str, Any]:
+    """Layer name -> its spec (uniform-type groups unwrapped)."""
+    specs: dict[str, Any] = {}
+    for group in getattr(kv_cache_config, "kv_cache_groups", ()):
+        spec = group.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)
+        for name in group.layer_names:
+            specs[name] = inner.get(name, spec) if isinstance(inner, Mapping) else spec
+    return specs
+
+
+def _groups(kv_cache_config: Any) -> dict[str, int]:
+    return {
+        name: index
+        for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ()))
+        for name in group.layer_names
+    }
+
+
+def _kind(spec: Any) -> str | None:
+    """``attention``, ``mla`` or ``mamba`` for a spec vLLM 0.33 gives per-layer views of."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    if isinstance(spec, AttentionSpec):
+        return "mla" if "MLA" in type(spec).__name__ else "attention"
+    return None
+
+
+def describe_caches(
+    kv_caches: Mapping[str, Any], kv_cache_config: Any, topology: Topology
+) -> Manifest:
+    """The manifest of the layers of ``kv_caches`` that ``kv_cache_config`` gives a spec with
+    per-layer views (attention, MLA, Mamba state) and a 4-d cache, read off their strides."""
+    specs = _layer_specs(kv_cache_config)
+    caches: dict[str, Any] = {}
+    axes: dict[str, tuple[str, ...]] = {}
+    kinds: dict[str, Any] = {}
+    for name, cache in kv_caches.items():
+        kind = _kind(specs.get(name))
+        if kind is None or getattr(cache, "ndim", 0) != 4:
+            continue  # a flat byte view, a layer without views: nothing derivable
+        caches[name] = cache
+        axes[name] = vllm_axes(kind)  # type: ignore[arg-type]
+        if kind == "mamba":
+            kinds[name] = "state"
+    if not caches:
+        raise ManifestError("kv_caches", len(kv_caches), "hold no attention, MLA or Mamba layer")
+    groups = _groups(kv_cache_config)
+    return describe(
+        caches,
+        axes=axes,
+        topology=topology,
+        groups={name: groups[name] for name in caches if name in groups},
+        kinds=kinds,
+    )
+
+
+def _worker_topology(worker: Any) -> Topology:
+    """What vLLM 0.33's NIXL worker says of itself before it registers."""
+    use_mla = bool(getattr(worker, "use_mla", False))
+    config = worker.vllm_config
+    return Topology(
+        tp_rank=int(worker.transfer_tp_rank),
+        tp_size=int(worker.transfer_tp_size),
+        total_kv_heads=1 if use_mla else int(worker.model_config.get_total_num_kv_heads()),
+        kernel_block_tokens=int(worker.block_size),
+        logical_block_tokens=int(config.cache_config.block_size),
+        engine=str(worker.engine_id),
+        engine_version=f"vllm {_vllm_version()}",
+        layout=str(worker.kv_cache_layout),
+    )
+
+
+def _connector_topology(connector: Any) -> Topology:
+    """What any other connector's process says: its tensor-parallel rank and size, the model's
+    KV heads, the block tokens, the engine id."""
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    config = connector._vllm_config
+    layout = getattr(config.cache_config, "kv_cache_layout", None)
+    return Topology(
+        tp_rank=int(get_tensor_model_parallel_rank()),
+        tp_size=int(get_tensor_model_parallel_world_size()),
+        total_kv_heads=int(config.model_config.get_total_num_kv_heads()),
+        logical_block_tokens=int(config.cache_config.block_size),
+        engine=str(config.kv_transfer_config.engine_id),
+        engine_version=f"vllm {_vllm_version()}",
+        layout=None if layout is None else str(getattr(layout, "name", layout)),
+    )
+
+
+def engine_folder(folder: Path, engine: str | None) -> Path:
+    """Where an engine's manifests go in ``folder``: a folder of its own, named after its
+    engine id, so that ``safeview diff FOLDER/P FOLDER/D`` compares two engines that share one."""
+    return folder / _safe(engine or "engine")
+
+
+def write_manifest(manifest: Manifest, folder: Path) -> Path:
+    """Write ``manifest`` into its engine's folder in ``folder``, under its own file name
+    (``Manifest.file_name``), atomically (a reader never sees half a file); returns the path."""
+    target = engine_folder(folder, manifest.topology.engine)
+    target.mkdir(parents=True, exist_ok=True)
+    path = target / manifest.file_name()
+    partial = target / f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial"
+    partial.write_text(manifest.to_json(), encoding="utf-8")
+    os.replace(partial, path)
+    return path
+
+
+def read_engine_manifests(
+    folder: Path, engine: str | None = None
+) -> dict[str, list[tuple[Path, Manifest]]]:
+    """Every readable manifest in the engine folders of ``folder`` (only ``engine``'s when
+    given), by engine id; files that are not manifests of this schema are left out (another
+    engine may be writing one right now)."""
+    engines: dict[str, list[tuple[Path, Manifest]]] = {}
+    pattern = f"*/*{_SUFFIX}" if engine is None else f"{_safe(engine)}/*{_SUFFIX}"
+    for path in sorted(folder.glob(pattern)) if folder.is_dir() else ():
+        try:
+            manifest = Manifest.read(path)
+        except ManifestError:
+            continue
+        engines.setdefault(manifest.topology.engine or "", []).append((path, manifest))
+    return engines
+
+
+# -- P's manifest from its NIXL metadata --------------------------------------------------------
+
+
+class _NotJudgedError(Exception):
+    """A pair the ``vllm_nixl`` rule does not model: left to vLLM, with the reason."""
+
+
+def _page_order(layout: str) -> str:
+    """The physical order of a page's axes in vLLM's layout name: ``HNC`` or ``NHC``."""
+    order = layout.replace("L", "").replace("B", "")
+    if not layout.startswith(("LB", "BL")) or order not in ("HNC", "NHC"):
+        raise _NotJudgedError(f"a page of layout {layout} is not one run of [H, N, C] memory")
+    return order
+
+
+def _rebuilt_layer(
+    name: str, mine: Layer, page: int, stride: int, blocks: int, tokens: int, layout: str,
+    heads: tuple[int, ...],
+) -> Layer:  # fmt: skip
+    """P's layer ``name`` as its metadata reports it, with D's dtype and head size."""
+    itemsize = mine.itemsize
+    element = mine.size_of("element")
+    if stride % itemsize:
+        raise _NotJudgedError(
+            f"{name}: P's block stride {stride} is not a whole number of elements"
+        )
+    if mine.kind == "latent":
+        row = element * itemsize
+        if page != tokens * row:
+            raise _NotJudgedError(
+                f"{name}: P's block length {page} is not {tokens} tokens of {row} bytes"
+            )
+        return layer_from_geometry(
+            name,
+            axes=vllm_axes("mla"),
+            shape=(blocks, 1, tokens, element),
+            strides_elements=(stride // itemsize, tokens * element, element, 1),
+            byte_offset=0,
+            dtype=mine.dtype,
+            group=mine.group,
+        )
+    row = 2 * element  # K|V side by side, in elements
+    if page % (tokens * row * itemsize):
+        raise _NotJudgedError(
+            f"{name}: P's block length {page} is not whole heads of {tokens} tokens x {row} "
+            f"values of {itemsize} bytes"
+        )
+    count = page // (tokens * row * itemsize)
+    if len(heads) != count:
+        heads = tuple(range(heads[0] if heads else 0, (heads[0] if heads else 0) + count))
+    if _page_order(layout) == "HNC":
+        strides = (stride // itemsize, tokens * row, row, 1)
+    else:
+        strides = (stride // itemsize, row, count * row, 1)
+    return layer_from_geometry(
+        name,
+        axes=vllm_axes("attention"),
+        shape=(blocks, count, tokens, row),
+        strides_elements=strides,
+        byte_offset=0,
+        dtype=mine.dtype,
+        heads=heads,
+        group=mine.group,
+    )
+
+
+def rebuild(metadata: Any, remote_tp_size: int, mine: Manifest) -> list[Manifest]:
+    """P's manifests, one per P rank, as P's ``NixlAgentMetadata`` reports its regions (every
+    rank laid out alike), for the layers D also has. ``_NotJudgedError`` for what it cannot say."""
+    if getattr(metadata, "packed_member_layouts", None):
+        raise _NotJudgedError("P registers packed MLA block rows")
+    names = list(getattr(metadata, "region_names", None) or ())
+    lens, strides = list(metadata.block_lens), list(metadata.block_strides)
+    if not names or len(names) != len(lens) or len(strides) != len(lens):
+        raise _NotJudgedError("P's metadata names no region for each block length")
+    counts = list(metadata.region_num_blocks or [metadata.num_blocks] * len(names))
+    tokens = int(metadata.block_size)
+    layout = str(metadata.kv_cache_layout)
+    total = mine.topology.total_kv_heads or 1
+    manifests = []
+    for rank in range(remote_tp_size):
+        held = heads_of_rank(rank, remote_tp_size, total)
+        layers = {
+            name: _rebuilt_layer(
+                name, mine.layers[name], page, stride, blocks, tokens, layout, held
+            )
+            for name, page, stride, blocks in zip(names, lens, strides, counts)
+            if name in mine.layers and mine.layers[name].kind != "state"
+        }
+        if not layers:
+            raise _NotJudgedError("P's regions name no layer D has")
+        topology = Topology(
+            tp_rank=rank,
+            tp_size=remote_tp_size,
+            total_kv_heads=total,
+            kernel_block_tokens=tokens,
+            engine=str(metadata.engine_id),
+            layout=layout,
+        )
+        manifests.append(Manifest(topology=topology, layers=layers))
+    return manifests
+
+
+def _agrees(manifest: Manifest, metadata: Any) -> bool:
+    """Whether a manifest from the folder describes the engine whose metadata came: its block
+    tokens, block counts and layout name (a file left from an earlier start does not)."""
+    topology = manifest.topology
+    if topology.kernel_block_tokens not in (None, int(metadata.block_size)):
+        return False
+    if topology.layout is not None and topology.layout != str(metadata.kv_cache_layout):
+        return False
+    counts = set(metadata.region_num_blocks or [metadata.num_blocks])
+    return all(layer.num_blocks in counts for layer in manifest.layers.values())
+
+
+# -- the worker's state and the judgement ------------------------------------------------------
+
+
+class WorkerLayout:
+    """One NIXL worker's manifest, where it was written, the policy in force when it registered
+    (the handshake runs in a thread of its own, outside any ``policy_scope``), and its last
+    verdict per remote engine."""
+
+    def __init__(self, worker: Any, manifest: Manifest, folder: Path | None, policy: Policy):
+        self.worker = worker
+        self.manifest = manifest
+        self.folder = folder
+        self.path: Path | None = None
+        self.policy = policy
+        self.lock = threading.Lock()
+        self.verdicts: dict[str, tuple[Any, LayoutMismatchError | None]] = {}
+
+    # the fields every layout event carries
+    def _fields(self, remote: str, remote_tp_size: int | None, when: str) -> dict[str, Any]:
+        topology = self.manifest.topology
+        return {
+            "engine": topology.engine,
+            "tp_rank": topology.tp_rank,
+            "tp_size": topology.tp_size,
+            "remote_engine": remote,
+            "remote_tp_size": remote_tp_size,
+            "when": when,
+            "policy": self.policy.value,
+            "fingerprint": self.manifest.fingerprint,
+        }
+
+    def not_judged(self) -> str | None:
+        """Why pairs of this worker are left to vLLM, or ``None``."""
+        worker = self.worker
+        if getattr(worker, "_TRANSFER_MODE", "pull") != "pull":
+            return "push mode: the prefill worker writes into the decode worker's cache"
+        if getattr(worker, "use_host_buffer", False):
+            return "the worker stages transfers through host buffers"
+        if getattr(worker, "enable_permute_local_kv", False) or getattr(
+            getattr(worker, "kv_transfer_config", None), "enable_permute_local_kv", False
+        ):
+            return "enable_permute_local_kv: vLLM permutes another layout on receipt"
+        if getattr(worker, "pp_size", 1) > 1 or getattr(
+            worker, "_transfer_layer_region_indices", None
+        ):
+            return "pipeline-parallel transfer regions"
+        if getattr(worker, "dcp_size", 1) > 1 or getattr(worker, "pcp_size", 1) > 1:
+            return "decode or prefill context parallelism"
+        return None
+
+    def judge_handshake(
+        self, metadata: Any, remote_tp_size: int, remote_dcp_size: int
+    ) -> LayoutMismatchError | None:
+        """The verdict on P (its ``metadata``), judged once per distinct P registration; the
+        error to raise under strict, if any. Emits one event per judgement."""
+        remote = str(metadata.engine_id)
+        key = (
+            remote_tp_size,
+            remote_dcp_size,
+            int(metadata.block_size),
+            int(metadata.num_blocks),
+            tuple(metadata.block_lens),
+            str(metadata.kv_cache_layout),
+            self._folder_key(remote),
+        )
+        with self.lock:
+            known = self.verdicts.get(remote)
+            if known is not None and known[0] == key:
+                return known[1]
+            error = self._judge(metadata, remote, remote_tp_size, remote_dcp_size)
+            self.verdicts[remote] = (key, error)
+            return error
+
+    def _folder_key(self, remote: str) -> tuple[Any, ...]:
+        if self.folder is None:
+            return ()
+        found = sorted(engine_folder(self.folder, remote).glob(f"*{_SUFFIX}"))
+        return tuple((path.name, path.stat().st_mtime_ns) for path in found)
+
+    def _judge(
+        self, metadata: Any, remote: str, remote_tp_size: int, remote_dcp_size: int
+    ) -> LayoutMismatchError | None:
+        fields = self._fields(remote, remote_tp_size, "handshake")
+        reason = self.not_judged()
+        if reason is None and remote_dcp_size > 1:
+            reason = "P shards its KV cache by decode context parallelism"
+        backend = getattr(metadata, "attn_backend_name", None)
+        if reason is None and backend not in (None, getattr(self.worker, "backend_name", backend)):
+            reason = f"P's attention backend {backend} differs: vLLM may repack pages on receipt"
+        if reason is not None:
+            log.layout_checked(**fields, verdict="not_judged", reason=reason, against=None,
+                               manifests=[])  # fmt: skip
+            return None
+        senders, against, paths, note = self._senders(metadata, remote, remote_tp_size)
+        if senders is None:
+            log.layout_checked(**fields, verdict="not_judged", reason=note, against=against,
+                               manifests=paths)  # fmt: skip
+            return None
+        receiver = self.manifest
+        if against == "nixl_metadata":
+            # P's metadata names only the layers it registers regions for
+            common = {n: layer for n, layer in receiver.layers.items() if n in senders[0].layers}
+            receiver = Manifest(topology=receiver.topology, layers=common)
+        report = diff(senders, receiver, rule="vllm_nixl")
+        return self._verdict(report, {**fields, "against": against, "manifests": paths,
+                                      "reason": note})  # fmt: skip
+
+    def _senders(
+        self, metadata: Any, remote: str, remote_tp_size: int
+    ) -> tuple[list[Manifest] | None, str | None, list[str], str | None]:
+        """P's manifests, where they came from, the files read, and a note."""
+        note = None
+        if self.folder is not None:
+            found = read_engine_manifests(self.folder, remote).get(remote, [])
+            ranks = {
+                m.topology.tp_rank: (p, m) for p, m in found if m.topology.tp_size == remote_tp_size
+            }
+            if (
+                ranks
+                and len(ranks) == remote_tp_size
+                and all(_agrees(m, metadata) for _, m in ranks.values())
+            ):
+                ordered = [ranks[r] for r in sorted(ranks)]
+                return [m for _, m in ordered], "manifest", [str(p) for p, _ in ordered], None
+            if found:
+                note = (
+                    f"P's manifests in {self.folder} are not those of its {remote_tp_size} "
+                    "ranks as its metadata reports them; judged against the metadata"
+                )
+        if getattr(self.worker, "_has_mamba", False):
+            return None, "nixl_metadata", [], "Mamba state regions: P's manifests are needed"
+        try:
+            return rebuild(metadata, remote_tp_size, self.manifest), "nixl_metadata", [], note
+        except _NotJudgedError as why:
+            return None, "nixl_metadata", [], str(why)
+
+    def _verdict(self, report: DiffReport, fields: dict[str, Any]) -> LayoutMismatchError | None:
+        """One event for ``report``; the error to raise (under strict, at a handshake)."""
+        fields = {
+            **fields,
+            "remote_fingerprints": report.sender_fingerprints,
+            "layers": len(report.layers),
+            "findings": len(report.findings),
+        }
+        if report.compatible:
+            log.layout_checked(**fields, verdict="compatible")
+            return None
+        strict = self.policy is Policy.STRICT
+        refused = strict and fields["when"] == "handshake"
+        log.layout_mismatch(report.findings[0], strict=strict, refused=refused, **fields)
+        return LayoutMismatchError(report) if refused else None
+
+    def judge_startup(self) -> None:
+        """Judge this worker against every other engine whose manifests the folder holds."""
+        if self.folder is None or self.not_judged() is not None:
+            return
+        role = getattr(getattr(self.worker, "kv_transfer_config", None), "kv_role", "kv_both")
+        if role == "kv_producer":
+            return  # it never reads
+        mine = self.manifest.topology.engine
+        for engine, found in sorted(read_engine_manifests(self.folder).items()):
+            if engine == mine or not engine:
+                continue
+            sizes = {m.topology.tp_size for _, m in found}
+            if len(sizes) != 1 or len(found) != sizes.pop():
+                continue  # not every rank written yet: the handshake will judge
+            manifests = [m for _, m in sorted(found, key=lambda item: item[1].topology.tp_rank)]
+            fields = self._fields(engine, manifests[0].topology.tp_size, "startup")
+            try:
+                report = diff(manifests, self.manifest, rule="vllm_nixl")
+            except ManifestError:
+                continue  # an engine of another model shares the folder: not a peer of this one
+            paths = [str(path) for path, _ in found]
+            self._verdict(report, {**fields, "against": "manifest", "manifests": paths,
+                                   "reason": None})  # fmt: skip
+
+
+def _safe(engine: str) -> str:
+    """An engine id as one folder name: nothing but letters, digits, ``_``, ``-`` and ``.``,
+    and no leading dot (no hidden folder, no way up)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", engine)
+    return name if name and not name.startswith(".") else f"_{name}"
+
+
+# -- the hooks -------------------------------------------------------------------------------
+
+
+def _guard_handshake(layout: WorkerLayout) -> None:
+    """Wrap ``worker.add_remote_agent`` on the instance: judge P, then let vLLM go on."""
+    worker = layout.worker
+    original = worker.add_remote_agent
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def add_remote_agent(
+        nixl_agent_meta: Any,
+        remote_tp_rank: int = 0,
+        remote_tp_size: int = 1,
+        remote_dcp_size: int = 1,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        refusal = None
+        try:
+            refusal = layout.judge_handshake(nixl_agent_meta, remote_tp_size, remote_dcp_size)
+        except Exception as error:  # safeview's own failure: vLLM goes on unjudged
+            _step_aside("P/D layouts left unjudged", error)
+        if refusal is not None:
+            raise refusal
+        return original(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size,
+                        *args, **kwargs)  # fmt: skip
+
+    setattr(add_remote_agent, _PATCHED, True)
+    worker.add_remote_agent = add_remote_agent
+
+
+class Registered:
+    """What ``at_registration`` derived: each worker's layout, and the first manifest (its
+    fingerprint and file) for the ``registration_checked`` event."""
+
+    def __init__(self, layouts: list[WorkerLayout], manifest: Manifest | None, path: Path | None):
+        self.layouts = layouts
+        self.manifest = manifest
+        self.path = path
+
+    def in_summary(self) -> Any:
+        """``with registered.in_summary():`` around the registration check."""
+        import contextlib
+
+        if self.manifest is None:
+            return contextlib.nullcontext()
+        path = None if self.path is None else str(self.path)
+        return log.manifest_of_registration(self.manifest.fingerprint, path)
+
+    def registered(self) -> None:
+        """After the connector's own ``register_kv_caches`` succeeded: guard each NIXL worker's
+        handshake and judge it against the engines already in the folder. Never raises."""
+        for layout in self.layouts:
+            try:
+                _guard_handshake(layout)
+                layout.judge_startup()
+            except Exception as error:  # safeview's own failure: vLLM goes on unjudged
+                _step_aside("P/D layouts left unjudged", error)
+
+
+def at_registration(
+    connector: Any, kv_caches: Mapping[str, Any], kv_cache_config: Any, policy: Policy
+) -> Registered:
+    """Before a connector's ``register_kv_caches``: describe what each of its NIXL workers
+    registers (and, with ``SAFEVIEW_MANIFEST_DIR`` set, what any other connector's process
+    holds), and write it there. Never raises: safeview's own failure is one
+    ``integration_unavailable`` event, and nothing is judged."""
+    folder = manifest_dir()
+    workers = _nixl_workers(connector)
+    if policy is Policy.OFF or kv_cache_config is None or not (workers or folder):
+        return Registered([], None, None)
+    try:
+        if workers:
+            layouts = [
+                WorkerLayout(
+                    worker,
+                    describe_caches(kv_caches, kv_cache_config, _worker_topology(worker)),
+                    folder,
+                    policy,
+                )
+                for worker in workers
+            ]
+            manifests = [layout.manifest for layout in layouts]
+        else:
+            layouts = []
+            topology = _connector_topology(connector)
+            manifests = [describe_caches(kv_caches, kv_cache_config, topology)]
+        paths = [None if folder is None else write_manifest(m, folder) for m in manifests]
+        for layout, path in zip(layouts, paths):
+            layout.path = path
+    except Exception as error:  # safeview's own failure, or a vLLM it does not know
+        _step_aside("layout manifest not derived", error)
+        return Registered([], None, None)
+    return Registered(layouts, manifests[0], paths[0])

@@ -1,0 +1,536 @@
+"""Will two parties read the same bytes the same way? ``diff`` pairs two manifests' layers by
+name and, for every receiver page byte a transfer fills, compares what the sender meant there
+with what the receiver reads it as; it names the first byte that differs::
+
+    report = safeview.diff(prefill_manifests, decode_manifests, rule="vllm_nixl")
+    report.compatible        # False
+    report.findings[0].message
+    # "layers.3: receiver page byte 4096 reads K token 8 head 0 element 0, the sender wrote
+    #  V token 0 head 0 element 0 there"
+
+Rules (how bytes move): ``page_copy`` (block ``b``'s page, chunk by chunk, into block ``b``),
+``vllm_nixl`` (vLLM 0.33's NIXL connector, heterogeneous TP and block tokens included: see
+``safeview._nixl_rules``), ``in_place`` (the receiver reads the sender's memory where it lies: a
+connector's assumed format against the engine's cache). A page is compared once per distinct
+pair of layouts, vectorised over its bytes with numpy; no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from safeview import _nixl_rules
+from safeview._meaning import Meaning
+from safeview.errors import ArgumentError, LayoutMismatchError, ManifestError
+from safeview.findings import Finding
+from safeview.manifest import Layer, Manifest
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    Array = npt.NDArray[np.int64]
+
+__all__ = ["DIFF_SCHEMA", "RULES", "DiffReport", "Meaning", "Mismatch", "diff"]
+
+DIFF_SCHEMA = "urn:safeview:diff:1"
+Rule = Literal["page_copy", "vllm_nixl", "in_place"]
+RULES: tuple[Rule, ...] = ("page_copy", "vllm_nixl", "in_place")
+MismatchKind = Literal["byte", "dtype", "missing_layer", "missing_rank", "refused"]
+_FIELDS = ("status", "block", "kv", "token", "head", "element", "byte")
+_DATA, _PADDING, _OUTSIDE, _UNFILLED = 0, 1, 2, 3
+
+
+Mismatch = Finding
+"""A diff finding is a ``safeview.Finding`` of one of ``DIFF_KINDS`` (``Mismatch`` is the name it
+had before: ``kind``, ``layer``, ``message``, ``byte``, ``block``, ``receiver_rank``,
+``sender_ranks``, ``receiver_reads``, ``sender_wrote``, ``to_json()``)."""
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """The verdict: ``compatible`` when every paired layer's filled bytes mean the same to both
+    sides and nothing is missing; ``findings`` otherwise; ``layers`` the names compared;
+    ``skipped`` layers not judged, with why."""
+
+    rule: Rule
+    findings: tuple[Finding, ...]
+    layers: tuple[str, ...]
+    sender_fingerprints: tuple[str, ...]
+    receiver_fingerprints: tuple[str, ...]
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def compatible(self) -> bool:
+        return not self.findings
+
+    def raise_for_mismatch(self) -> None:
+        """``LayoutMismatchError`` naming the first finding's layer and byte, if any."""
+        if self.findings:
+            raise LayoutMismatchError(self)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "$schema": DIFF_SCHEMA,
+            "rule": self.rule,
+            "verdict": "compatible" if self.compatible else "mismatch",
+            "layers_compared": len(self.layers),
+            "sender_fingerprints": list(self.sender_fingerprints),
+            "receiver_fingerprints": list(self.receiver_fingerprints),
+            "skipped": dict(self.skipped),
+            "findings": [finding.to_json() for finding in self.findings],
+        }
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy is there wherever torch is
+        raise ArgumentError(
+            "safeview.diff needs numpy, which is not installed; "
+            "install it with: pip install 'safeview[transfer]'"
+        ) from None
+    return numpy
+
+
+# -- what each page byte means --------------------------------------------------------------
+
+
+def _decode_page(layer: Layer, k: Array, token_base: Array | int = 0) -> dict[str, Array]:
+    """Per page byte ``k`` (an array): its meaning, as arrays named after ``_FIELDS``."""
+    np = _numpy()
+    status = np.where((k >= 0) & (k < layer.page_bytes), _DATA, _OUTSIDE).astype(np.int64)
+    safe = np.where(status == _DATA, k, 0)
+    chunk = max(layer.chunk_bytes, 1)
+    chunk_index, rest = np.divmod(safe, chunk)
+    values = {name: np.zeros_like(k) for name in ("kv", "token", "head", "element")}
+    outer = [axis for axis in layer.axes if axis.outer]
+    for axis in reversed(outer):  # mixed radix: the innermost outer axis varies fastest
+        chunk_index, values[axis.axis] = np.divmod(chunk_index, axis.size)
+    for axis in layer.axes:
+        if axis.outer or axis.size == 1:
+            continue
+        index, rest = np.divmod(rest, axis.stride_bytes)
+        status = np.where((status == _DATA) & (index >= axis.size), _PADDING, status)
+        values[axis.axis] = index
+    status = np.where((status == _DATA) & (rest >= layer.itemsize), _PADDING, status)
+    kv = values["kv"] if any(a.axis == "kv" for a in layer.axes) else np.full_like(k, 2)
+    if layer.heads:
+        table = np.asarray(layer.heads, dtype=np.int64)
+        head = table[np.clip(values["head"], 0, len(table) - 1)]
+    else:
+        head = np.full_like(k, -1)
+    data = status == _DATA
+    return {
+        "status": status,
+        "block": np.zeros_like(k),
+        "kv": np.where(data, kv, 0),
+        "token": np.where(data, values["token"] + token_base, 0),
+        "head": np.where(data, head, 0),
+        "element": np.where(data, values["element"], 0),
+        "byte": np.where(data, rest, 0),
+    }
+
+
+def _decode_address(layer: Layer, address: Array) -> dict[str, Array]:
+    """Per storage byte (an array): which block and which page byte it is to ``layer``."""
+    np = _numpy()
+    relative = address - layer.byte_offset
+    status = np.where(relative >= 0, _DATA, _OUTSIDE)
+    rest = np.where(relative >= 0, relative, 0)
+    chunk_index = np.zeros_like(rest)
+    for axis in (a for a in layer.axes if a.outer):
+        index, rest = np.divmod(rest, axis.stride_bytes)
+        status = np.where(index >= axis.size, _OUTSIDE, status)
+        chunk_index = chunk_index * axis.size + index
+    stride = max(layer.block_stride_bytes, 1)
+    block, inner = np.divmod(rest, stride) if layer.num_blocks > 1 else (rest * 0, rest)
+    status = np.where((block >= layer.num_blocks) | (inner >= layer.chunk_bytes), _OUTSIDE, status)
+    page = np.where(status == _DATA, chunk_index * layer.chunk_bytes + inner, -1)
+    meaning = _decode_page(layer, page)
+    meaning["status"] = np.where(status == _DATA, meaning["status"], _OUTSIDE)
+    meaning["block"] = np.where(status == _DATA, block, 0)
+    return meaning
+
+
+def _meaning_at(fields: dict[str, Array], at: int, layer: Layer, with_block: bool) -> Meaning:
+    status = int(fields["status"][at])
+    if status != _DATA:
+        words = {_PADDING: "padding", _OUTSIDE: "outside", _UNFILLED: "unfilled"}
+        return Meaning(words[status], dtype=layer.dtype)  # type: ignore[arg-type]
+    kv = int(fields["kv"][at])
+    head = int(fields["head"][at])
+    return Meaning(
+        "data",
+        kv=None if kv == 2 else kv,
+        token=int(fields["token"][at]),
+        head=None if head < 0 else head,
+        element=int(fields["element"][at]),
+        byte=int(fields["byte"][at]),
+        block=int(fields["block"][at]) if with_block else None,
+        dtype=layer.dtype,
+    )
+
+
+# -- comparing one layer's pages, once per distinct pair of layouts --------------------------
+
+_Result = tuple[int, Meaning, Meaning, int] | None  # receiver byte, both meanings, block
+
+
+def _first_difference(
+    receiver: Layer, received: dict[str, Array], sent: dict[str, Array], sender: Layer
+) -> _Result:
+    np = _numpy()
+    read = received["status"] == _DATA
+    differs = read & (sent["status"] != _DATA)
+    for name in _FIELDS[1:]:
+        differs |= read & (received[name] != sent[name])
+    where = np.flatnonzero(differs)
+    if not where.size:
+        return None
+    at = int(where[0])
+    return at, _meaning_at(received, at, receiver, False), _meaning_at(sent, at, sender, False), 0
+
+
+_CACHE: dict[tuple[Any, ...], _Result] = {}
+_CACHE_SIZE = 4096
+
+
+def _remembered(key: tuple[Any, ...], compute: Any) -> _Result:
+    """A page comparison depends on the two layouts, not on the layer's name or where it lies:
+    computed once per distinct pair (1,000 layers of one shape cost one comparison)."""
+    if key in _CACHE:
+        return _CACHE[key]
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.clear()
+    found: _Result = compute()
+    _CACHE[key] = found
+    return found
+
+
+def _compare_pieces(
+    receiver: Layer,
+    senders: tuple[Layer, ...],
+    pieces: tuple[_nixl_rules.Piece, ...],
+    ratio: int,
+    permute: bool,
+) -> _Result:
+    key = (
+        "pieces",
+        receiver.fingerprint,
+        tuple(sender.fingerprint for sender in senders),
+        tuple((p.receiver_start, p.length, p.sub_block, p.sender_start) for p in pieces),
+        ratio,
+        permute,
+    )
+    return _remembered(key, lambda: _fill_and_compare(receiver, senders, pieces, ratio, permute))
+
+
+def _fill_and_compare(
+    receiver: Layer,
+    senders: tuple[Layer, ...],
+    pieces: tuple[_nixl_rules.Piece, ...],
+    ratio: int,
+    permute: bool,
+) -> _Result:
+    """Fill a receiver page from the senders' pages as ``pieces`` say (then permute, as vLLM's
+    receive-side reorder does), and compare meanings byte by byte."""
+    size = receiver.page_bytes
+    for k in _slices(size):
+        pre = k
+        if permute:  # final [H, r * N_P, C] <- pre [r, H, N_P, C] (an HND page)
+            heads, tokens = receiver.size_of("head"), receiver.size_of("token")
+            row = size // max(heads * tokens, 1)
+            sub = tokens // ratio
+            head, rest = _numpy().divmod(k, tokens * row)
+            token, column = _numpy().divmod(rest, row)
+            j, t = _numpy().divmod(token, sub)
+            pre = ((j * heads + head) * sub + t) * row + column
+        sent = {name: _numpy().zeros_like(k) for name in _FIELDS}
+        sent["status"] = _numpy().full_like(k, _UNFILLED)
+        for piece, sender in zip(pieces, senders):
+            mask = (pre >= piece.receiver_start) & (pre < piece.receiver_start + piece.length)
+            source = pre[mask] - piece.receiver_start + piece.sender_start
+            decoded = _decode_page(sender, source, piece.sub_block * sender.size_of("token"))
+            for name in _FIELDS:
+                sent[name][mask] = decoded[name]
+        found = _first_difference(receiver, _decode_page(receiver, k), sent, senders[0])
+        if found is not None:
+            return (int(k[0]) + found[0], *found[1:])
+    return None
+
+
+# A page is compared a slice at a time: memory stays bounded (a Mamba page is a megabyte, its
+# meanings seven arrays of it) and a mismatch early in the page ends the work there.
+_SLICE_BYTES = 1 << 16
+
+
+def _slices(size: int) -> Any:
+    np = _numpy()
+    for start in range(0, size, _SLICE_BYTES):
+        yield np.arange(start, min(size, start + _SLICE_BYTES), dtype=np.int64)
+
+
+def _placement(layer: Layer) -> tuple[Any, ...]:
+    outer = tuple(axis.stride_bytes for axis in layer.axes if axis.outer)
+    return (layer.fingerprint, layer.block_stride_bytes, layer.num_blocks, outer)
+
+
+def _compare_in_place(receiver: Layer, sender: Layer) -> _Result:
+    key = (
+        "in_place",
+        _placement(receiver),
+        _placement(sender),
+        receiver.byte_offset - sender.byte_offset,
+    )
+    return _remembered(key, lambda: _read_in_place(receiver, sender))
+
+
+def _read_in_place(receiver: Layer, sender: Layer) -> _Result:
+    """The receiver reads the sender's memory where it lies: blocks 0, 1 and the last."""
+    np = _numpy()
+    blocks = sorted({0, min(1, receiver.num_blocks - 1), receiver.num_blocks - 1} - {-1})
+    for block, k in ((b, k) for b in blocks for k in _slices(receiver.page_bytes)):
+        chunk_index, inner = np.divmod(k, max(receiver.chunk_bytes, 1))
+        address = receiver.byte_offset + block * receiver.block_stride_bytes + inner
+        for axis in reversed([a for a in receiver.axes if a.outer]):
+            chunk_index, index = np.divmod(chunk_index, axis.size)
+            address = address + index * axis.stride_bytes
+        received = _decode_page(receiver, k)
+        received["block"] = np.full_like(k, block)
+        sent = _decode_address(sender, address)
+        found = _first_difference(receiver, received, sent, sender)
+        if found is not None:
+            at = found[0]
+            return (
+                int(k[0]) + at,
+                _meaning_at(received, at, receiver, True),
+                _meaning_at(sent, at, sender, True),
+                block,
+            )
+    return None
+
+
+# -- pairing ---------------------------------------------------------------------------------
+
+
+def _ranks(side: Manifest | Sequence[Manifest], what: str) -> dict[int, Manifest]:
+    manifests = [side] if isinstance(side, Manifest) else list(side)
+    if not manifests:
+        raise ManifestError(what, [], "holds no manifest")
+    for manifest in manifests:
+        if not isinstance(manifest, Manifest):
+            raise ManifestError(what, type(manifest).__name__, "is not a Manifest")
+    sizes = {m.topology.tp_size for m in manifests}
+    if len(sizes) > 1:
+        raise ManifestError(f"{what}.topology.tp_size", sorted(sizes), "differ within one side")
+    by_rank: dict[int, Manifest] = {}
+    for manifest in manifests:
+        rank = manifest.topology.tp_rank
+        if rank in by_rank:
+            raise ManifestError(f"{what}.topology.tp_rank", rank, "appears twice on one side")
+        by_rank[rank] = manifest
+    return by_rank
+
+
+def _block_contiguous(layer: Layer, layout: str | None) -> bool:
+    if layout is not None:
+        return layout.endswith("HNC")
+    order = [axis.axis for axis in layer.axes if axis.size > 1 and not axis.outer]
+    return order[:2] == ["head", "token"] or (order[:1] == ["token"] and layer.size_of("head") == 1)
+
+
+def diff(
+    sender: Manifest | Sequence[Manifest],
+    receiver: Manifest | Sequence[Manifest],
+    rule: Rule = "page_copy",
+) -> DiffReport:
+    """Compare what a sender's bytes mean with what a receiver reads them as, layer by layer,
+    by name; each side one manifest or one per TP rank. See the module's docstring."""
+    if rule not in RULES:
+        raise ArgumentError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+    senders = _ranks(sender, "sender")
+    receivers = _ranks(receiver, "receiver")
+    sender_names = {name for m in senders.values() for name in m.layers}
+    receiver_names = {name for m in receivers.values() for name in m.layers}
+    common = sorted(sender_names & receiver_names)
+    if not common:
+        raise ManifestError(
+            "layers",
+            f"{len(sender_names)} and {len(receiver_names)} layers",
+            "have no name in common",
+        )
+    findings: list[Finding] = []
+    skipped: dict[str, str] = {}
+    for name in sorted(sender_names - receiver_names):
+        findings.append(Finding.missing_layer(name, side="sender"))
+    for name in sorted(receiver_names - sender_names):
+        findings.append(Finding.missing_layer(name, side="receiver"))
+    single = len(senders) == 1 and len(receivers) == 1
+    for rank, manifest in sorted(receivers.items()):
+        if rule == "vllm_nixl":
+            findings += _nixl_rank(rank, manifest, senders, skipped)
+            continue
+        source = next(iter(senders.values())) if single else senders.get(rank)
+        where = "" if single else f" (receiver rank {rank})"
+        if source is None:
+            findings.append(Finding.missing_rank(None, rank=rank, receiver_rank=rank))
+            continue
+        for name in sorted(manifest.layers):
+            theirs = source.layers.get(name)
+            if theirs is None:
+                continue
+            findings += _pair(
+                name, manifest.layers[name], theirs, rule, where, rank, (source.topology.tp_rank,)
+            )
+    return DiffReport(
+        rule,
+        tuple(findings),
+        tuple(common),
+        tuple(m.fingerprint for _, m in sorted(senders.items())),
+        tuple(m.fingerprint for _, m in sorted(receivers.items())),
+        skipped,
+    )
+
+
+def _pair(
+    name: str,
+    mine: Layer,
+    theirs: Layer,
+    rule: Rule,
+    where: str,
+    rank: int,
+    sources: tuple[int, ...],
+) -> list[Finding]:
+    if mine.dtype != theirs.dtype:
+        dtype = Finding.diff_dtype(
+            name,
+            reads=mine.dtype,
+            wrote=theirs.dtype,
+            receiver_rank=rank,
+            sender_ranks=sources,
+            where=where,
+        )
+        return [dtype]
+    if rule == "in_place":
+        found = _compare_in_place(mine, theirs)
+    elif mine.fingerprint == theirs.fingerprint:
+        found = None  # the same meaning for every page byte: a page copy changes nothing
+    else:
+        length = min(mine.page_bytes, theirs.page_bytes)
+        piece = _nixl_rules.Piece(0, length, sources[0], 0, 0)
+        found = _compare_pieces(mine, (theirs,), (piece,), 1, False)
+    findings = []
+    if rule == "page_copy" and theirs.page_bytes > mine.page_bytes:
+        findings.append(
+            Finding.diff_past_page(
+                name,
+                sender_page_bytes=theirs.page_bytes,
+                receiver_page_bytes=mine.page_bytes,
+                receiver_rank=rank,
+                sender_ranks=sources,
+                where=where,
+            )
+        )
+    if found is not None:
+        findings.append(_byte_finding(name, found, rule, where, rank, sources))
+    return findings
+
+
+def _byte_finding(
+    name: str,
+    found: tuple[int, Meaning, Meaning, int],
+    rule: Rule,
+    where: str,
+    rank: int,
+    sources: tuple[int, ...],
+) -> Finding:
+    at, reads, wrote, block = found
+    return Finding.diff_byte(
+        name,
+        byte=at,
+        receiver_reads=reads,
+        sender_wrote=wrote,
+        receiver_rank=rank,
+        sender_ranks=sources,
+        block=block if rule == "in_place" else None,
+        where=where,
+    )
+
+
+def _nixl_rank(
+    rank: int, manifest: Manifest, senders: dict[int, Manifest], skipped: dict[str, str]
+) -> list[Finding]:
+    """vLLM NIXL: every layer of D rank ``rank`` against the P ranks vLLM reads it from."""
+    mine = manifest.topology
+    theirs = next(iter(senders.values())).topology
+    findings: list[Finding] = []
+    for name in sorted(manifest.layers):
+        layer = manifest.layers[name]
+        if layer.kind == "state":
+            skipped[name] = "state (Mamba) layers move by vLLM's ssm_sizes rules, not judged here"
+            continue
+        first = next((m.layers.get(name) for m in senders.values() if name in m.layers), None)
+        if first is None:
+            continue
+        total = mine.total_kv_heads or theirs.total_kv_heads
+        if total is None:
+            total = len(layer.heads) * mine.tp_size if layer.heads else 1
+        replicated = layer.kind == "latent"
+        plan = _nixl_rules.plan_layer(
+            tp_rank=rank,
+            tp_size=mine.tp_size,
+            remote_tp_size=theirs.tp_size,
+            total_kv_heads=total,
+            block_tokens=layer.size_of("token"),
+            remote_block_tokens=first.size_of("token"),
+            page_bytes=layer.page_bytes,
+            remote_page_bytes=first.page_bytes,
+            replicated=replicated,
+            block_contiguous=_block_contiguous(layer, mine.layout),
+            layout=mine.layout,
+            remote_layout=theirs.layout,
+        )
+        where = f" (receiver rank {rank})"
+        if plan.refused is not None:
+            findings.append(
+                Finding.refused(
+                    name,
+                    connector="vLLM's NIXL connector",
+                    reason=plan.refused,
+                    receiver_rank=rank,
+                    where=where,
+                )
+            )
+            continue
+        sources = tuple(dict.fromkeys(piece.sender_rank for piece in plan.pieces))
+        missing = [s for s in sources if s not in senders or name not in senders[s].layers]
+        if missing:
+            findings.append(
+                Finding.missing_rank(
+                    name, rank=missing[0], receiver_rank=rank, sender_ranks=sources, where=where
+                )
+            )
+            continue
+        theirs_layers = tuple(senders[piece.sender_rank].layers[name] for piece in plan.pieces)
+        dtypes = {other.dtype for other in theirs_layers}
+        if dtypes != {layer.dtype}:
+            findings.append(
+                Finding.diff_dtype(
+                    name,
+                    reads=layer.dtype,
+                    wrote=", ".join(sorted(dtypes)),
+                    receiver_rank=rank,
+                    sender_ranks=sources,
+                    where=where,
+                )
+            )
+            continue
+        found = _compare_pieces(layer, theirs_layers, plan.pieces, plan.ratio, plan.permute)
+        if found is not None:
+            rule: Rule = "vllm_nixl"
+            at = f"{where}, from sender ranks {list(sources)}"
+            findings.append(_byte_finding(name, found, rule, at, rank, sources))
+    return findings

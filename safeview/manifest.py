@@ -1,0 +1,724 @@
+"""What the bytes of a KV cache mean: a layout manifest, read off strides, never off shapes.
+
+A ``Manifest`` says, per layer by name, which logical axis (K/V, token, head, head element) lies
+at which byte stride of one block's page, how large the page is, where block 0 starts and how
+far apart blocks are; and, for the engine, which tensor-parallel rank it is and which global KV
+heads it holds. Two manifests are compared by ``safeview.diff``::
+
+    manifest = safeview.describe(kv_caches, axes=vllm_axes(), topology={"tp_size": 2, ...})
+    manifest.fingerprint   # sha256 of what every byte of every page means
+
+``describe`` reads tensors (torch is imported only there, through ``safeview._torch``); the model,
+``assumed`` (a manifest from a connector's assumed format, such as LMCache's
+``NL_X_TWO_NB_BS_NH_HS``) and the JSON round trip need no torch.
+
+Axis names, one per tensor dimension in shape order: ``block``; ``kv`` (0 is K, 1 is V);
+``token`` (within a block); ``head`` (local index, mapped to a global KV head by the topology);
+``element`` (within a head, or of an MLA latent vector); ``kv|element`` (K and V side by side
+in one axis, K first: vLLM 0.33's last axis); ``state`` (a Mamba state's bytes); ``unit`` (a
+size-1 axis with no meaning). A layer with a ``kv`` axis is ``attention``; one with a ``state``
+axis is ``state``; any other is ``latent`` (MLA: one vector per token, the same on every rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from safeview.check import StorageRecord, ViewRecord
+from safeview.errors import ManifestError
+from safeview.spec import DTYPE_ITEMSIZE, DTypeName
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "AXIS_NAMES",
+    "MANIFEST_SCHEMA",
+    "Layer",
+    "Manifest",
+    "PageAxis",
+    "Topology",
+    "assumed",
+    "describe",
+    "heads_of_rank",
+    "layer_from_geometry",
+    "vllm_axes",
+]
+
+MANIFEST_SCHEMA: Literal["urn:safeview:manifest:1"] = "urn:safeview:manifest:1"
+AXIS_NAMES = ("block", "kv", "token", "head", "element", "kv|element", "state", "unit")
+PageAxisName = Literal["kv", "token", "head", "element"]
+LayerKind = Literal["attention", "latent", "state"]
+Count = Annotated[int, Field(strict=True, ge=0)]
+Positive = Annotated[int, Field(strict=True, ge=1)]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class PageAxis(BaseModel):
+    """One logical axis of a page: its meaning, its length and its byte stride. ``outer`` marks
+    an axis that lies outside the block axis (``(2, num_blocks, ...)``: K and V pages apart)."""
+
+    model_config = _FROZEN
+
+    axis: PageAxisName
+    size: Positive
+    stride_bytes: Count
+    outer: bool = False
+
+
+class Topology(BaseModel):
+    """Where a manifest's engine sits: its tensor-parallel rank and size, the model's total KV
+    heads and the global heads this rank holds (in its local head order), block tokens (the
+    kernel's, and the engine's logical block), and the engine's name, version and own name for
+    its layout (vLLM's ``LBHNC``), as reported."""
+
+    model_config = _FROZEN
+
+    tp_rank: Count = 0
+    tp_size: Positive = 1
+    total_kv_heads: Positive | None = None
+    heads: tuple[Count, ...] | None = None
+    kernel_block_tokens: Positive | None = None
+    logical_block_tokens: Positive | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    layout: str | None = None
+
+    @model_validator(mode="after")
+    def _rank_in_range(self) -> Topology:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        return self
+
+
+class Layer(BaseModel):
+    """One layer's page: ``axes`` in physical order (outermost first; size-1 axes first, with
+    stride 0), ``page_bytes`` (the bytes one block holds: its chunks, each the span of the inner
+    axes), where block 0 starts (``byte_offset``) and the distance between blocks
+    (``block_stride_bytes``), the global KV heads its head axis holds, and a ``fingerprint`` of
+    what every page byte means (its placement, offsets and block count left out)."""
+
+    model_config = _FROZEN
+
+    kind: LayerKind
+    dtype: DTypeName
+    itemsize: Positive
+    group: int | str | None = None
+    num_blocks: Count
+    block_stride_bytes: Count
+    byte_offset: Count
+    page_bytes: Count
+    chunk_bytes: Count
+    axes: tuple[PageAxis, ...]
+    heads: tuple[Count, ...] = ()
+    fingerprint: str = ""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Layer:
+        if DTYPE_ITEMSIZE[self.dtype] != self.itemsize:
+            raise ValueError(f"itemsize {self.itemsize} is not that of {self.dtype}")
+        names = [axis.axis for axis in self.axes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"axes name one meaning twice: {names}")
+        head = next((axis for axis in self.axes if axis.axis == "head"), None)
+        if self.kind == "attention" and "kv" not in names:
+            raise ValueError("an attention layer needs a kv axis")
+        if head is not None and self.heads and len(self.heads) != head.size:
+            raise ValueError(f"heads {list(self.heads)} do not match the head axis ({head.size})")
+        # a page that a file describes must be one describe() could have derived: the inner
+        # axes nest (innermost first, each holding the span inside it) and make the chunk
+        span, chunks = self.itemsize, 1
+        for axis in sorted((a for a in self.axes if a.size > 1), key=lambda a: a.stride_bytes):
+            if axis.outer:
+                chunks *= axis.size
+                continue
+            if axis.stride_bytes < span:
+                raise ValueError(
+                    f"axis {axis.axis} (stride {axis.stride_bytes} bytes) overlaps the axes "
+                    f"inside it, which span {span} bytes"
+                )
+            span += (axis.size - 1) * axis.stride_bytes
+        if (self.chunk_bytes, self.page_bytes) != (span, span * chunks):
+            raise ValueError(
+                f"chunk_bytes {self.chunk_bytes} and page_bytes {self.page_bytes} are not what "
+                f"the axes make ({span} and {span * chunks})"
+            )
+        fingerprint = _layer_fingerprint(self)
+        if self.fingerprint and self.fingerprint != fingerprint:
+            raise ValueError(
+                f"fingerprint {self.fingerprint} is not that of this layer ({fingerprint}); "
+                "the file was edited or written by another version"
+            )
+        object.__setattr__(self, "fingerprint", fingerprint)
+        return self
+
+    def size_of(self, axis: str) -> int:
+        """The length of a page axis, 1 when the page has none."""
+        return next((a.size for a in self.axes if a.axis == axis), 1)
+
+    def block_records(self, name: str, storage: str) -> list[ViewRecord]:
+        """This layer's pages as the checker's int8 block views (``safeview.check``), as
+        ``safeview.kv.block_views`` makes them: one ``(num_blocks, page_bytes)`` view with the
+        block stride from the first byte; where axes lie outside the block axis (K and V pages
+        apart, ``(2, num_blocks, ...)``), one view per chunk of the page, ``name[i]``, chunk
+        ``i`` counted with the innermost outer axis fastest (K is ``[0]``, V ``[1]``)."""
+        offsets = [self.byte_offset]
+        for axis in (a for a in self.axes if a.outer):
+            offsets = [at + i * axis.stride_bytes for at in offsets for i in range(axis.size)]
+        split = len(offsets) > 1
+        return [
+            ViewRecord.block(
+                f"{name}[{index}]" if split else name,
+                storage,
+                num_blocks=self.num_blocks,
+                page_bytes=self.chunk_bytes,
+                block_stride_bytes=self.block_stride_bytes,
+                byte_offset=offset,
+                group=self.group,
+            )
+            for index, offset in enumerate(offsets)
+        ]
+
+
+class Manifest(BaseModel):
+    """What an engine's KV-cache bytes mean, per layer by name; see the module's docstring.
+
+    ``Manifest.from_json(text)`` reads one (``ManifestError`` naming the field when it is not a
+    manifest of this schema); ``to_json()`` writes it; ``fingerprint`` is the sha256 of the
+    canonical JSON of every layer's name and page meaning and of the topology's head mapping:
+    the same layout gives the same fingerprint on any machine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    schema_: Literal["urn:safeview:manifest:1"] = Field(default=MANIFEST_SCHEMA, alias="$schema")
+    topology: Topology = Topology()
+    layers: dict[str, Layer]
+    fingerprint: str = ""
+
+    @model_validator(mode="after")
+    def _fingerprinted(self) -> Manifest:
+        fingerprint = _fingerprint_of(self.layers)
+        if self.fingerprint and self.fingerprint != fingerprint:
+            raise ValueError(
+                f"fingerprint {self.fingerprint} is not that of these layers ({fingerprint})"
+            )
+        object.__setattr__(self, "fingerprint", fingerprint)
+        return self
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return self.model_dump_json(by_alias=True, indent=indent)
+
+    def records(
+        self,
+        storage_of: Mapping[str, str] | str = "storage0",
+        storages: Mapping[str, StorageRecord | int] | None = None,
+    ) -> tuple[dict[str, StorageRecord], list[ViewRecord]]:
+        """The manifest as the checker's records (``safeview.check.check_views``), the one
+        memory model that check, transfer (``MemoryMap.from_manifest``) and diff read: each
+        layer's pages as ``Layer.block_records``, in layer order. ``storage_of`` names the
+        storage each layer lies in (a mapping by layer name, or one name for all: a manifest
+        says where a layer starts, not in which allocation); ``storages`` gives those storages'
+        sizes or ``StorageRecord``s (default: each just large enough for its views).
+        ``ManifestError`` names a layer without a storage, or a storage without a size."""
+        views: list[ViewRecord] = []
+        for name, layer in self.layers.items():
+            if isinstance(storage_of, str):
+                storage = storage_of
+            elif name in storage_of:
+                storage = storage_of[name]
+            else:
+                raise ManifestError(f"storage_of[{name!r}]", None, "is missing: no storage given")
+            views += layer.block_records(name, storage)
+        found: dict[str, StorageRecord] = {}
+        for view in views:
+            if storages is None:
+                known = found.get(view.storage, StorageRecord(0))
+                found[view.storage] = StorageRecord(max(known.nbytes, view.extent_bytes))
+            elif view.storage not in storages:
+                raise ManifestError(f"storages[{view.storage!r}]", None, "is missing: no size")
+            else:
+                size = storages[view.storage]
+                found[view.storage] = (
+                    size if isinstance(size, StorageRecord) else StorageRecord(size)
+                )
+        return found, views
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str = "manifest") -> Manifest:
+        """Read a manifest; ``ManifestError`` naming the field (and the file as ``source``)
+        for anything that is not one of this schema: another ``$schema``, truncated JSON, an
+        axis of unknown meaning."""
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ManifestError(source, _short(text), f"is not JSON ({error})") from None
+        if not isinstance(data, dict):
+            raise ManifestError(source, type(data).__name__, "is not a JSON object")
+        schema = data.get("$schema")
+        if schema != MANIFEST_SCHEMA:
+            raise ManifestError(f"{source}: $schema", schema, f"is not {MANIFEST_SCHEMA!r}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as error:
+            first = error.errors(include_url=False)[0]
+            where = ".".join(str(part) for part in first["loc"]) or "(manifest)"
+            raise ManifestError(
+                f"{source}: {where}", first.get("input"), f"is refused: {first['msg']}"
+            ) from None
+
+    @classmethod
+    def read(cls, path: str | Path) -> Manifest:
+        file = Path(path)
+        try:
+            text = file.read_bytes()
+        except OSError as error:
+            raise ManifestError(str(file), None, f"cannot be read: {error.strerror}") from None
+        return cls.from_json(text, source=str(file))
+
+    def file_name(self) -> str:
+        """``ENGINE.tpRANKofSIZE.manifest.json``: one file per engine and rank, so that one
+        folder can hold both engines of a pair."""
+        engine = (self.topology.engine or "engine").replace("/", "_")
+        return f"{engine}.tp{self.topology.tp_rank}of{self.topology.tp_size}.manifest.json"
+
+
+def _short(text: str | bytes) -> str:
+    shown = text if isinstance(text, str) else text[:200].decode("utf-8", "replace")
+    return shown[:40] + ("..." if len(shown) > 40 else "")
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _page_meaning(layer: Layer) -> dict[str, Any]:
+    """What a page's bytes mean, and nothing about where pages lie: outer axes keep their order
+    but not their strides (those depend on the number of blocks)."""
+    return {
+        "kind": layer.kind,
+        "dtype": layer.dtype,
+        "page_bytes": layer.page_bytes,
+        "chunk_bytes": layer.chunk_bytes,
+        "axes": [[a.axis, a.size, "outer" if a.outer else a.stride_bytes] for a in layer.axes],
+        "heads": list(layer.heads),
+    }
+
+
+_FINGERPRINTS: dict[tuple[Any, ...], str] = {}
+
+
+def _layer_fingerprint(layer: Layer) -> str:
+    # layers of one shape are many (1,000 in a model): hash each page meaning once
+    key = (
+        layer.kind,
+        layer.dtype,
+        layer.page_bytes,
+        layer.chunk_bytes,
+        tuple((a.axis, a.size, a.stride_bytes, a.outer) for a in layer.axes),
+        layer.heads,
+    )
+    found = _FINGERPRINTS.get(key)
+    if found is None:
+        if len(_FINGERPRINTS) > 4096:
+            _FINGERPRINTS.clear()
+        found = _FINGERPRINTS[key] = hashlib.sha256(
+            _canonical(_page_meaning(layer)).encode()
+        ).hexdigest()
+    return found
+
+
+def _fingerprint_of(layers: Mapping[str, Layer]) -> str:
+    """sha256 of the canonical JSON of ``[[name, layer fingerprint], ...]`` in name order."""
+    pairs = sorted((name, layer.fingerprint) for name, layer in layers.items())
+    return hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()
+
+
+def heads_of_rank(tp_rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, ...]:
+    """The global KV heads a rank holds, as vLLM shards them: ``max(1, H // TP)`` heads from
+    ``rank * H // TP``; with more ranks than heads, each head is held by ``TP // H`` ranks."""
+    if tp_size <= total_kv_heads:
+        if total_kv_heads % tp_size:
+            raise ManifestError(
+                "topology.total_kv_heads", total_kv_heads, f"is not divisible by tp_size {tp_size}"
+            )
+        per_rank = total_kv_heads // tp_size
+        return tuple(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
+    return (tp_rank * total_kv_heads // tp_size,)
+
+
+# -- building a layer from a geometry (no torch) ---------------------------------------------
+
+AxesSpec = (
+    Sequence[str] | Mapping[str, Sequence[str]] | Callable[[str, Sequence[int]], Sequence[str]]
+)
+
+
+def _axes_for(axes: AxesSpec, layer: str, shape: Sequence[int]) -> tuple[str, ...]:
+    if callable(axes):
+        names = axes(layer, shape)
+    elif isinstance(axes, Mapping):
+        if layer not in axes:
+            raise ManifestError(f"axes[{layer!r}]", None, "is missing: no meaning given")
+        names = axes[layer]
+    else:
+        names = axes
+    if isinstance(names, str):
+        names = names.replace(",", " ").split()
+    return tuple(names)
+
+
+def layer_from_geometry(
+    name: str,
+    *,
+    axes: Sequence[str],
+    shape: Sequence[int],
+    strides_elements: Sequence[int],
+    byte_offset: int,
+    dtype: str,
+    heads: Sequence[int] | None = None,
+    kind: LayerKind | None = None,
+    group: int | str | None = None,
+) -> Layer:
+    """A ``Layer`` from a tensor's geometry (shape, strides in elements, first byte) and the
+    meaning of each of its dimensions. Errors name the layer and the axis."""
+    where = f"layers[{name!r}]"
+    if dtype not in DTYPE_ITEMSIZE:
+        raise ManifestError(f"{where}.dtype", dtype, "is not a dtype safeview knows")
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    if len(axes) != len(shape):
+        raise ManifestError(
+            f"{where}.axes", list(axes), f"names {len(axes)} axes; the tensor has {len(shape)}"
+        )
+    block: tuple[int, int] | None = None
+    found: list[tuple[str, int, int]] = []  # (meaning, size, stride in bytes)
+    for position, (meaning, size, stride) in enumerate(zip(axes, shape, strides_elements)):
+        at = f"{where}.axes[{position}]"
+        if meaning not in AXIS_NAMES:
+            raise ManifestError(
+                at, meaning, f"is an axis of unknown meaning (known: {', '.join(AXIS_NAMES)})"
+            )
+        stride_bytes = int(stride) * itemsize
+        if meaning == "block":
+            if block is not None:
+                raise ManifestError(at, meaning, "is a second block axis")
+            block = (int(size), stride_bytes)
+        elif meaning == "unit":
+            if size != 1:
+                raise ManifestError(at, size, "is the size of a 'unit' axis; it must be 1")
+        elif meaning == "state":  # a state's bytes: an element axis of a state layer
+            found.append(("element", int(size), stride_bytes))
+            kind = kind or "state"
+        elif meaning == "kv|element":
+            if size % 2:
+                raise ManifestError(at, size, "is the size of a fused K|V axis; it must be even")
+            found.append(("kv", 2, stride_bytes * (size // 2)))
+            found.append(("element", size // 2, stride_bytes))
+        else:
+            found.append((meaning, int(size), stride_bytes))
+    if block is None:
+        raise ManifestError(f"{where}.axes", list(axes), "names no block axis")
+    meanings = [meaning for meaning, _, _ in found]
+    for meaning in set(meanings):
+        if meanings.count(meaning) > 1:
+            raise ManifestError(f"{where}.axes", list(axes), f"names {meaning!r} twice")
+    if kind is None:
+        kind = "attention" if "kv" in meanings else "latent"
+    num_blocks, block_stride = block
+    page_axes, chunk, page = _nest(where, found, itemsize, num_blocks, block_stride)
+    head_size = next((size for meaning, size, _ in found if meaning == "head"), None)
+    if kind == "latent":
+        held: tuple[int, ...] = ()
+    elif heads is not None:
+        held = tuple(int(h) for h in heads)
+        if head_size is not None and len(held) != head_size:
+            raise ManifestError(
+                f"{where}.heads",
+                list(held),
+                f"are not as many as the head axis holds ({head_size})",
+            )
+    else:
+        held = tuple(range(head_size or 1))
+    return Layer(
+        kind=kind,
+        dtype=dtype,
+        itemsize=itemsize,
+        group=group,
+        num_blocks=num_blocks,
+        block_stride_bytes=block_stride,
+        byte_offset=int(byte_offset),
+        page_bytes=page,
+        chunk_bytes=chunk,
+        axes=page_axes,
+        heads=held if kind != "latent" else (),
+    )
+
+
+def _nest(
+    where: str,
+    found: list[tuple[str, int, int]],
+    itemsize: int,
+    num_blocks: int,
+    block_stride: int,
+) -> tuple[tuple[PageAxis, ...], int, int]:
+    """Physical order from strides, innermost first: each axis must hold the whole span of the
+    axes inside it (a page never overlaps itself); an axis whose stride reaches past every block
+    lies outside the block axis (``outer``: K and V pages apart, ``(2, num_blocks, ...)``)."""
+    units = sorted((m for m in found if m[1] == 1), key=lambda m: AXIS_NAMES.index(m[0]))
+    real = sorted((m for m in found if m[1] > 1), key=lambda m: m[2])
+    blocks_end = block_stride * num_blocks if num_blocks > 1 else None
+    span = itemsize
+    inner: list[tuple[str, int, int]] = []
+    outer: list[tuple[str, int, int]] = []
+    for meaning, size, stride in real:
+        is_outer = blocks_end is not None and stride >= blocks_end
+        if is_outer and not outer:
+            if span > block_stride:
+                raise ManifestError(
+                    f"{where}.block_stride_bytes",
+                    block_stride,
+                    f"is smaller than one block's chunk ({span} bytes): blocks overlap",
+                )
+            span = (num_blocks - 1) * block_stride + span  # the blocks lie inside it
+        if stride < span:
+            raise ManifestError(
+                f"{where}.axes",
+                f"{meaning} (stride {stride} bytes)",
+                f"overlaps the axes inside it, which span {span} bytes: strides do not nest",
+            )
+        (outer if is_outer else inner).append((meaning, size, stride))
+        if not is_outer and outer:
+            raise ManifestError(f"{where}.axes", meaning, "lies inside an axis outside the block")
+        span = (size - 1) * stride + span
+    chunk = itemsize
+    for _, size, stride in inner:
+        chunk = (size - 1) * stride + chunk
+    if blocks_end is not None and not outer and chunk > block_stride:
+        raise ManifestError(
+            f"{where}.block_stride_bytes",
+            block_stride,
+            f"is smaller than one block's page ({chunk} bytes): blocks overlap",
+        )
+    chunks = 1
+    for _, size, _ in outer:
+        chunks *= size
+    axes = [PageAxis(axis=m, size=s, stride_bytes=0) for m, s, _ in units]
+    axes += [PageAxis(axis=m, size=s, stride_bytes=st, outer=True) for m, s, st in reversed(outer)]
+    axes += [PageAxis(axis=m, size=s, stride_bytes=st) for m, s, st in reversed(inner)]
+    return tuple(axes), chunk, chunk * chunks
+
+
+# -- from tensors ---------------------------------------------------------------------------
+
+
+def _topology(topology: Topology | Mapping[str, Any] | None) -> Topology:
+    if topology is None:
+        return Topology()
+    if isinstance(topology, Topology):
+        return topology
+    try:
+        return Topology.model_validate(dict(topology))
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(topology)"
+        raise ManifestError(f"topology.{where}", first.get("input"), first["msg"]) from None
+
+
+def _held_heads(topology: Topology, head_size: int | None) -> tuple[int, ...] | None:
+    if topology.heads is not None:
+        return topology.heads
+    if head_size is None:
+        return None
+    total = topology.total_kv_heads or head_size * topology.tp_size
+    return heads_of_rank(topology.tp_rank, topology.tp_size, total)
+
+
+def describe(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    axes: AxesSpec,
+    topology: Topology | Mapping[str, Any] | None = None,
+    groups: Mapping[str, int | str] | None = None,
+    kinds: Mapping[str, LayerKind] | None = None,
+) -> Manifest:
+    """The manifest of an engine's KV caches (layer name -> tensor, as the engine holds them),
+    read off each tensor's strides, storage offset and element size; works on ``meta``.
+
+    ``axes`` gives the meaning of each dimension in shape order: one tuple for every layer
+    (``("block", "head", "token", "kv|element")``, which is ``vllm_axes()``), a mapping by
+    layer, or a callable ``(name, shape) -> axes``. ``topology`` (a ``Topology`` or a dict)
+    says which rank this is; the global heads a rank holds default to vLLM's sharding over
+    ``total_kv_heads`` (``heads_of_rank``). ``ManifestError`` names the layer and the axis of
+    anything that cannot be derived."""
+    from safeview import _torch
+
+    known = _topology(topology)
+    if not isinstance(kv_caches, Mapping):
+        raise ManifestError("kv_caches", type(kv_caches).__name__, "is not a mapping of tensors")
+    layers: dict[str, Layer] = {}
+    fixed = None if callable(axes) or isinstance(axes, Mapping) else _axes_for(axes, "", ())
+    # layers of one shape differ only in where they lie: each page is derived once, and the
+    # other layers of its shape are copies at their own offsets
+    seen: dict[tuple[Any, ...], Layer] = {}
+    for name, tensor in kv_caches.items():
+        if not _torch.is_strided_tensor(tensor):
+            raise ManifestError(
+                f"kv_caches[{name!r}]", type(tensor).__name__, "is not a strided torch.Tensor"
+            )
+        names = fixed if fixed is not None else _axes_for(axes, name, tuple(tensor.shape))
+        kind = kinds.get(name) if kinds else None
+        group = groups.get(name) if groups else None
+        key = (names, tensor.dtype, tensor.shape, tensor.stride(), kind, group)
+        template = seen.get(key)
+        if template is None:
+            geometry = _torch.geometry(tensor)
+            head_size = next(
+                (size for meaning, size in zip(names, geometry.shape) if meaning == "head"), None
+            )
+            template = seen[key] = layer_from_geometry(
+                name,
+                axes=names,
+                shape=geometry.shape,
+                strides_elements=geometry.strides,
+                byte_offset=geometry.byte_offset,
+                dtype=_torch.dtype_name(tensor.dtype),
+                heads=_held_heads(known, head_size),
+                kind=kind,
+                group=group,
+            )
+        byte_offset = _torch.byte_offset(tensor)
+        layers[name] = (
+            template if template.byte_offset == byte_offset else _at(template, byte_offset)
+        )
+    return _finish(layers, known, seen.values())
+
+
+def _at(layer: Layer, byte_offset: int) -> Layer:
+    """``layer`` at another first byte: a shallow copy made as pydantic's own ``__copy__``
+    makes one (``model_copy`` costs 5 us, three times a whole layer's share of a
+    registration); the page's meaning and its fingerprint do not depend on the offset."""
+    clone = Layer.__new__(Layer)
+    fields = layer.__dict__.copy()
+    fields["byte_offset"] = byte_offset
+    object.__setattr__(clone, "__dict__", fields)
+    object.__setattr__(clone, "__pydantic_extra__", None)
+    object.__setattr__(clone, "__pydantic_fields_set__", layer.__pydantic_fields_set__)
+    object.__setattr__(clone, "__pydantic_private__", None)
+    return clone
+
+
+def _finish(
+    layers: dict[str, Layer], topology: Topology, shapes: Iterable[Layer] | None = None
+) -> Manifest:
+    """The manifest of layers already validated one by one (not validated again); ``shapes``
+    holds one layer of each shape, when known."""
+    tokens = {layer.size_of("token") for layer in (layers.values() if shapes is None else shapes)}
+    if topology.kernel_block_tokens is None and len(tokens) == 1:
+        topology = topology.model_copy(update={"kernel_block_tokens": tokens.pop()})
+    return Manifest.model_construct(
+        topology=topology, layers=layers, fingerprint=_fingerprint_of(layers)
+    )
+
+
+def vllm_axes(kind: Literal["attention", "mla", "mamba"] = "attention") -> tuple[str, ...]:
+    """The meaning of vLLM 0.33's per-layer cache dimensions: every layout (``LBHNC``,
+    ``LBNHC``, ``BLHNC``, ...) is a ``[B, H, N, C]`` view whose strides carry the physical
+    order; attention packs K and V side by side in C, MLA stores one latent vector per token
+    (H is 1), and a Mamba state is ``[B, 1, 1, state bytes]``."""
+    if kind == "attention":
+        return ("block", "head", "token", "kv|element")
+    if kind == "mla":
+        return ("block", "unit", "token", "element")
+    return ("block", "unit", "unit", "state")
+
+
+# -- a connector's assumed format -----------------------------------------------------------
+
+_FORMAT_AXES = {
+    "TWO": "kv",
+    "NB": "block",
+    "BS": "token",
+    "NH": "head",
+    "HS": "element",
+    "2HS": "kv|element",
+    "TWOHS": "kv|element",
+}
+
+
+def _format_axes(format: str) -> tuple[str, ...]:
+    parts = format.upper().split("_")
+    if parts[:2] == ["NL", "X"]:  # LMCache: a list of per-layer tensors
+        parts = parts[2:]
+    names = []
+    for at, part in enumerate(parts):
+        if part == "NBBS":  # blocks and their tokens flattened into one axis
+            names += ["block", "token"]
+            continue
+        if part not in _FORMAT_AXES:
+            raise ManifestError(
+                f"format[{at}]",
+                part,
+                f"is not an axis safeview knows (known: {', '.join(_FORMAT_AXES)}, NBBS, "
+                "after an optional NL_X_)",
+            )
+        names.append(_FORMAT_AXES[part])
+    return tuple(names)
+
+
+def assumed(
+    format: str,
+    *,
+    layers: Iterable[str],
+    num_blocks: int,
+    block_tokens: int,
+    num_heads: int,
+    head_size: int,
+    dtype: str,
+    topology: Topology | Mapping[str, Any] | None = None,
+    layer_bytes: int | None = None,
+) -> Manifest:
+    """The manifest of what a connector assumes: each layer a dense tensor in ``format``'s
+    axis order (LMCache style, ``NL_X_TWO_NB_BS_NH_HS``: per layer, K/V outermost, then
+    blocks, tokens, heads, elements; ``NBBS`` is blocks and tokens flattened into one axis;
+    ``NB_NH_BS_2HS`` is vLLM's HND with K|V fused), diffable
+    against an engine's derived manifest before a byte is copied. No torch.
+
+    Layers are laid out one after another, each ``layer_bytes`` apart (default: dense)."""
+    names = _format_axes(format)
+    sizes = {
+        "kv": 2,
+        "block": num_blocks,
+        "token": block_tokens,
+        "head": num_heads,
+        "element": head_size,
+        "kv|element": 2 * head_size,
+    }
+    if dtype not in DTYPE_ITEMSIZE:
+        raise ManifestError("dtype", dtype, "is not a dtype safeview knows")
+    shape = [sizes[name] for name in names]
+    strides = [1] * len(shape)
+    for at in range(len(shape) - 2, -1, -1):
+        strides[at] = strides[at + 1] * shape[at + 1]
+    per_layer = strides[0] * shape[0] * DTYPE_ITEMSIZE[dtype] if shape else 0
+    known = _topology(topology)
+    head_count = num_heads if "head" in names else None
+    built: dict[str, Layer] = {}
+    for index, name in enumerate(layers):
+        built[name] = layer_from_geometry(
+            name,
+            axes=names,
+            shape=shape,
+            strides_elements=strides,
+            byte_offset=index * (layer_bytes if layer_bytes is not None else per_layer),
+            dtype=dtype,
+            heads=_held_heads(known, head_count),
+        )
+    if not built:
+        raise ManifestError("layers", [], "is empty: a manifest needs a layer")
+    return _finish(built, known)

@@ -1,0 +1,190 @@
+"""safeview.describe and the Manifest model: read off strides, never off the shape's order."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import torch
+
+import safeview
+from safeview import Manifest, ManifestError
+from safeview.manifest import MANIFEST_SCHEMA, assumed, heads_of_rank, vllm_axes
+
+
+def vllm_cache(layout: str, blocks: int = 10, heads: int = 4, tokens: int = 16, size: int = 64,
+               device: str = "cpu") -> torch.Tensor:  # fmt: skip
+    """vLLM 0.33's [B, H, N, C] view of one layer, C = K|V, physical order per layout."""
+    if layout == "LBHNC":
+        return torch.zeros(blocks, heads, tokens, 2 * size, dtype=torch.float16, device=device)
+    physical = torch.zeros(blocks, tokens, heads, 2 * size, dtype=torch.float16, device=device)
+    return physical.permute(0, 2, 1, 3)
+
+
+def test_physical_order_comes_from_strides_not_from_the_shape() -> None:
+    # the same shape [10, 4, 16, 128] in both: HND and NHD differ only by strides
+    hnd = safeview.describe({"l": vllm_cache("LBHNC")}, axes=vllm_axes())
+    nhd = safeview.describe({"l": vllm_cache("LBNHC")}, axes=vllm_axes())
+    assert [(a.axis, a.stride_bytes) for a in hnd.layers["l"].axes] == [
+        ("head", 4096), ("token", 256), ("kv", 128), ("element", 2)
+    ]  # fmt: skip
+    assert [(a.axis, a.stride_bytes) for a in nhd.layers["l"].axes] == [
+        ("token", 1024), ("head", 256), ("kv", 128), ("element", 2)
+    ]  # fmt: skip
+    assert hnd.fingerprint != nhd.fingerprint
+    layer = hnd.layers["l"]
+    assert (layer.page_bytes, layer.block_stride_bytes, layer.num_blocks) == (16384, 16384, 10)
+
+
+def test_lmcache2374_strides_give_kv_block_head_token_element() -> None:
+    # shape [2, 7286, 64, 8, 128] with strides (477495296, 65536, 128, 8192, 1) (scaled down)
+    base = torch.empty(2 * 6 * 8 * 4 * 16, dtype=torch.float16, device="meta")
+    tensor = base.as_strided((2, 6, 4, 8, 16), (6 * 512, 512, 16, 64, 1))
+    manifest = safeview.describe({"l": tensor}, axes=("kv", "block", "token", "head", "element"))
+    layer = manifest.layers["l"]
+    assert [(a.axis, a.outer) for a in layer.axes] == [
+        ("kv", True), ("head", False), ("token", False), ("element", False)
+    ]  # fmt: skip
+    assert layer.chunk_bytes == 1024
+    assert layer.page_bytes == 2048
+
+
+def test_same_layout_same_fingerprint_anywhere_and_on_meta() -> None:
+    cpu = safeview.describe({"a": vllm_cache("LBHNC")}, axes=vllm_axes())
+    meta = safeview.describe({"a": vllm_cache("LBHNC", device="meta")}, axes=vllm_axes())
+    assert cpu.fingerprint == meta.fingerprint
+    code = (
+        "import torch, safeview\n"
+        "from safeview.manifest import vllm_axes\n"
+        "t = torch.zeros(10, 4, 16, 128, dtype=torch.float16, device='meta')\n"
+        "print(safeview.describe({'a': t}, axes=vllm_axes()).fingerprint)\n"
+    )
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == cpu.fingerprint
+    again = assumed("NB_NH_BS_2HS", layers=["a"], num_blocks=10, block_tokens=16, num_heads=4,
+                    head_size=64, dtype="float16")  # fmt: skip
+    assert again.fingerprint == cpu.fingerprint
+
+
+def test_fingerprint_changes_when_any_byte_means_something_else() -> None:
+    base = safeview.describe({"a": vllm_cache("LBHNC")}, axes=vllm_axes())
+    rank1 = safeview.describe({"a": vllm_cache("LBHNC")}, axes=vllm_axes(),
+                              topology={"tp_rank": 1, "tp_size": 2})  # fmt: skip
+    renamed = safeview.describe({"b": vllm_cache("LBHNC")}, axes=vllm_axes())
+    more_blocks = safeview.describe({"a": vllm_cache("LBHNC", blocks=20)}, axes=vllm_axes())
+    assert rank1.layers["a"].heads == (4, 5, 6, 7)
+    assert len({base.fingerprint, rank1.fingerprint, renamed.fingerprint}) == 3
+    assert more_blocks.fingerprint == base.fingerprint  # where pages lie is not what they mean
+
+
+def test_an_axis_of_unknown_meaning_is_an_error_naming_it() -> None:
+    with pytest.raises(ManifestError, match=r"layers\['l'\]\.axes\[2\]: 'tokens' is an axis"):
+        safeview.describe({"l": vllm_cache("LBHNC")}, axes=("block", "head", "tokens", "element"))
+    with pytest.raises(ManifestError, match="names 3 axes; the tensor has 4"):
+        safeview.describe({"l": vllm_cache("LBHNC")}, axes=("block", "head", "token"))
+    with pytest.raises(ManifestError, match="no meaning given"):
+        safeview.describe({"l": vllm_cache("LBHNC")}, axes={"other": vllm_axes()})
+
+
+def test_overlapping_strides_are_refused() -> None:
+    base = torch.empty(4096, dtype=torch.float16, device="meta")
+    tensor = base.as_strided((4, 2, 8, 16), (256, 8, 16, 1))  # head stride inside the row
+    with pytest.raises(ManifestError, match="strides do not nest"):
+        safeview.describe({"l": tensor}, axes=("block", "head", "token", "element"))
+    blocks_overlap = base.as_strided((4, 2, 8, 16), (128, 128, 16, 1))
+    with pytest.raises(ManifestError):
+        safeview.describe({"l": blocks_overlap}, axes=("block", "head", "token", "element"))
+
+
+def test_heads_follow_vllm_sharding_and_replication() -> None:
+    assert heads_of_rank(1, 4, 8) == (2, 3)
+    assert heads_of_rank(5, 16, 8) == (2,)
+    with pytest.raises(ManifestError, match="total_kv_heads"):
+        heads_of_rank(0, 3, 8)
+
+
+def test_json_round_trip_schema_and_bad_files() -> None:
+    topology = {"engine": "vllm", "engine_version": "0.33.0"}
+    manifest = safeview.describe({"l": vllm_cache("LBNHC")}, axes=vllm_axes(), topology=topology)
+    text = manifest.to_json()
+    data = json.loads(text)
+    assert data["$schema"] == MANIFEST_SCHEMA
+    jsonschema.validate(data, Manifest.model_json_schema(by_alias=True))
+    assert Manifest.from_json(text) == manifest
+    with pytest.raises(ManifestError, match=r"\$schema"):
+        Manifest.from_json(text.replace(MANIFEST_SCHEMA, "urn:safeview:manifest:2"))
+    with pytest.raises(ManifestError, match="is not JSON"):
+        Manifest.from_json(text[: len(text) // 2])
+    edited = data
+    edited["layers"]["l"]["axes"][0]["axis"] = "heads"
+    with pytest.raises(ManifestError, match="axes"):
+        Manifest.from_json(json.dumps(edited))
+    tampered = json.loads(text)
+    tampered["layers"]["l"]["heads"] = [0, 1, 2, 9]
+    with pytest.raises(ManifestError, match="is not that of this layer"):
+        Manifest.from_json(json.dumps(tampered))
+    padded = json.loads(text)
+    padded["layers"]["l"]["page_bytes"] = 1
+    with pytest.raises(ManifestError, match="are not what the axes make"):
+        Manifest.from_json(json.dumps(padded))
+    overlapping = json.loads(text)
+    overlapping["layers"]["l"]["axes"][1]["stride_bytes"] = 4
+    with pytest.raises(ManifestError, match="overlaps the axes inside it"):
+        Manifest.from_json(json.dumps(overlapping))
+
+
+def test_model_is_frozen_and_forbids_extra_keys() -> None:
+    manifest = assumed("NB_NH_BS_2HS", layers=["l"], num_blocks=2, block_tokens=4, num_heads=1,
+                       head_size=2, dtype="float16")  # fmt: skip
+    with pytest.raises(ValueError, match="frozen"):
+        manifest.layers["l"].page_bytes = 3
+    data = json.loads(manifest.to_json())
+    data["extra"] = 1
+    with pytest.raises(ManifestError, match="extra"):
+        Manifest.from_json(json.dumps(data))
+
+
+def test_assumed_formats_lmcache_style() -> None:
+    manifest = assumed("NL_X_TWO_NB_BS_NH_HS", layers=["l0", "l1"], num_blocks=3, block_tokens=4,
+                       num_heads=2, head_size=8, dtype="bfloat16")  # fmt: skip
+    layer = manifest.layers["l1"]
+    assert layer.byte_offset == 2 * 3 * 4 * 2 * 8 * 2
+    assert [a.axis for a in layer.axes] == ["kv", "token", "head", "element"]
+    assert layer.axes[0].outer
+    flat = assumed("NL_X_TWO_NBBS_NH_HS", layers=["l0", "l1"], num_blocks=3, block_tokens=4,
+                   num_heads=2, head_size=8, dtype="bfloat16")  # fmt: skip
+    assert flat.fingerprint == manifest.fingerprint  # the same bytes, the same meanings
+    with pytest.raises(ManifestError, match=r"format\[1\]"):
+        assumed("NB_XX", layers=["l"], num_blocks=1, block_tokens=1, num_heads=1, head_size=1,
+                dtype="float16")  # fmt: skip
+
+
+def test_describe_does_not_import_torch_for_the_model() -> None:
+    code = (
+        "import sys, json, safeview\n"
+        "from safeview.manifest import assumed\n"
+        "m = assumed('NB_NH_BS_2HS', layers=['l'], num_blocks=2, block_tokens=4, num_heads=1,"
+        " head_size=2, dtype='float16')\n"
+        "safeview.diff(m, safeview.Manifest.from_json(m.to_json()))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_mamba_state_layers_are_state_and_not_judged_under_vllm_nixl() -> None:
+    state = torch.empty(4, 1, 1, 1000, dtype=torch.int8, device="meta")
+    attention = vllm_cache("LBHNC", device="meta")
+    manifest = safeview.describe(
+        {"mamba.0": state, "attn.0": attention},
+        axes=lambda name, shape: vllm_axes("mamba" if name.startswith("mamba") else "attention"),
+    )
+    assert manifest.layers["mamba.0"].kind == "state"
+    report = safeview.diff(manifest, manifest, rule="vllm_nixl")
+    assert report.compatible
+    assert list(report.skipped) == ["mamba.0"]

@@ -1,0 +1,240 @@
+"""safeview._nixl_rules against vLLM 0.33's own NIXL code: the ranks a decode rank reads, the
+descriptor rows vLLM builds for one layer (``_build_fa_remote``, ``_build_fa_local``,
+``_build_local_splits_from_plan``, called on a stand-in worker that holds only the fields they
+read), and the receive-side reorder (``kv_postprocess_blksize_on_receive``), over a grid of
+TP sizes, KV heads, block tokens and MLA.
+
+These run where vLLM is installed (``.venv-vllm``); elsewhere they skip, saying so. With
+``SAFEVIEW_REQUIRE_VLLM=1`` a missing vLLM is a failure instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+if os.environ.get("SAFEVIEW_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/run tests against it")
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import (  # type: ignore[import-not-found,unused-ignore]
+    TransferTopology,
+    kv_postprocess_blksize_on_receive,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (  # type: ignore[import-not-found,unused-ignore]
+    NixlBaseConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # type: ignore[import-not-found,unused-ignore]
+    compute_tp_mapping,
+)
+from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found,unused-ignore]
+    FullAttentionSpec,
+    MLAAttentionSpec,
+)
+
+from safeview import _nixl_rules
+
+HEAD_BYTES = 2 * 64 * 2  # K|V of 64 fp16 elements, per token and head
+
+
+def grid() -> list[tuple[int, int, int, int, int, bool]]:
+    cases = []
+    for p_tp, d_tp, heads, p_n, d_n, mla in itertools.product(
+        (1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8), (16,), (16, 32), (False, True)
+    ):
+        if mla and heads != 1:
+            continue
+        cases.append((p_tp, d_tp, heads, p_n, d_n, mla))
+    return cases
+
+
+def topology(rank: int, tp: int, block: int, heads: int, mla: bool) -> Any:
+    return TransferTopology(
+        tp_rank=rank,
+        tp_size=tp,
+        block_size=block,
+        engine_id="decode",
+        is_mla=mla,
+        is_mamba=False,
+        total_num_kv_heads=1 if mla else heads,
+        attn_backends=[],
+    )
+
+
+def page(tokens: int, heads: int, tp: int, mla: bool) -> int:
+    return tokens * 576 * 2 if mla else tokens * max(1, heads // tp) * HEAD_BYTES
+
+
+def vllm_rows(
+    rank: int, p_tp: int, d_tp: int, heads: int, p_n: int, d_n: int, mla: bool
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+    """For block 0 of one layer: vLLM's local (offset, length) pieces in slot order, the remote
+    (offset, length) read from each source, and the source ranks, from vLLM's own builders."""
+    topo = topology(rank, d_tp, d_n, heads, mla)
+    spec = MLAAttentionSpec if mla else FullAttentionSpec
+    plan = compute_tp_mapping(topo, p_tp, (spec,))
+    ratio = topo.block_size_ratio(p_n)
+    local_len = page(d_n, heads, d_tp, mla)
+    remote_len = page(p_n, heads, p_tp, mla)
+    worker: Any = SimpleNamespace(
+        transfer_topo=topo,
+        _group_spec_types=(spec,),
+        _transfer_layer_region_indices=[],
+        _region_is_mla=[mla],
+        block_len_per_layer=[local_len],
+        block_stride_per_layer=[local_len],
+        region_num_blocks=[4],
+        device_id=0,
+        _head_sharded_draft_regions=set(),
+        num_regions=1,
+        _logical_num_blocks=4,
+        _ple_region_index=None,
+        use_mla=mla,
+    )
+    for method in ("_is_region_replicated", "_fa_desc_replicated"):
+        setattr(worker, method, getattr(NixlBaseConnectorWorker, method).__get__(worker))
+    for static in ("_pack_strided_descs", "_block_strided_descs", "_strided_desc_starts"):
+        setattr(worker, static, getattr(NixlBaseConnectorWorker, static))
+    meta = SimpleNamespace(
+        kv_caches_base_addr=[0],
+        region_num_blocks=None,
+        num_blocks=4 * ratio,
+        device_id=0,
+        block_strides=[remote_len],
+        engine_id="prefill",
+    )
+    remote = NixlBaseConnectorWorker._build_fa_remote(worker, plan, meta, ratio)
+    local = NixlBaseConnectorWorker._build_fa_local(worker, [0], ratio)
+    sources = list(plan.source_ranks_per_group[0])
+    tp_ratio = topo.tp_ratio(p_tp)
+    if NixlBaseConnectorWorker._needs_split_local_xfer_handles(worker, tp_ratio, plan):
+        handles = list(
+            NixlBaseConnectorWorker._build_local_splits_from_plan(
+                worker, plan, local, int(local[:, 4].sum()), ratio
+            )
+        )
+        pieces = [(int(h[0, 0]), int(h[0, 1])) for h in handles]
+    else:
+        row = local[0]
+        pieces = [(j * int(row[3]), int(row[1])) for j in range(ratio)]
+    reads = [(int(remote[0, 0]), int(remote[0, 1]))]
+    return pieces, reads, sources
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "heads", "p_n", "d_n", "mla"), grid())
+def test_every_rank_reads_what_vllm_reads(
+    p_tp: int, d_tp: int, heads: int, p_n: int, d_n: int, mla: bool
+) -> None:
+    for rank in range(d_tp):
+        plan = _nixl_rules.plan_layer(
+            tp_rank=rank,
+            tp_size=d_tp,
+            remote_tp_size=p_tp,
+            total_kv_heads=1 if mla else heads,
+            block_tokens=d_n,
+            remote_block_tokens=p_n,
+            page_bytes=page(d_n, heads, d_tp, mla),
+            remote_page_bytes=page(p_n, heads, p_tp, mla),
+            replicated=mla,
+            block_contiguous=True,
+        )
+        if plan.refused is not None:
+            continue  # what vLLM refuses is pinned by tests/test_diff.py's oracle
+        pieces, reads, sources = vllm_rows(rank, p_tp, d_tp, heads, p_n, d_n, mla)
+        assert [(p.receiver_start, p.length) for p in plan.pieces] == pieces
+        assert {(p.sender_start, p.length) for p in plan.pieces} == set(reads)
+        assert list(dict.fromkeys(p.sender_rank for p in plan.pieces)) == sources
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_receive_reorder_is_vllms(ratio: int) -> None:
+    heads, tokens, row = 2, 8, 4  # row: bytes of one token of one head
+    page_bytes = heads * tokens * row
+    cache = torch.arange(3 * page_bytes, dtype=torch.int32).view(3, heads, tokens, row)
+    before = cache.clone().view(3, -1)
+    kv_postprocess_blksize_on_receive(cache, torch.arange(3), ratio)
+    k = np.arange(page_bytes)
+    head, rest = np.divmod(k, tokens * row)
+    token, column = np.divmod(rest, row)
+    j, t = np.divmod(token, tokens // ratio)
+    pre = ((j * heads + head) * (tokens // ratio) + t) * row + column
+    assert torch.equal(cache.view(3, -1), before[:, torch.from_numpy(pre)])
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_describe_reads_vllms_own_views_for_every_layout(layout: str) -> None:
+    """vLLM 0.33's ``create_kv_cache_views`` (what ``allocate_kv_cache`` calls) for 3 layers of
+    4 heads, 16 tokens, 64 fp16 elements: the physical order describe reads is the layout's, K
+    is the first half of C (FlashAttention splits ``C`` at ``head_size``), and block-major
+    layouts put the other layers' pages between blocks."""
+    from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found,unused-ignore]
+        KVCacheLayout,
+        KVCacheTensor,
+        create_kv_cache_views,
+    )
+
+    import safeview
+    from safeview.manifest import vllm_axes
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float16)
+    page, blocks, names = spec.page_size_bytes, 5, ["l0", "l1", "l2"]
+    block_major = layout.startswith("B")
+    tensor = KVCacheTensor(
+        size=3 * blocks * page,
+        layers=names,
+        layer_stride=page if block_major else blocks * page,
+        block_stride=3 * page if block_major else page,
+    )
+    raw = torch.zeros(3 * blocks * page, dtype=torch.int8, device="meta")
+    views = create_kv_cache_views(raw, spec, blocks, KVCacheLayout[layout], tensor)
+    manifest = safeview.describe(dict(zip(names, views)), axes=vllm_axes())
+    layer = manifest.layers["l1"]
+    order = [axis.axis for axis in layer.axes if axis.size > 1]
+    inner = ["head", "token"] if layout.endswith("HNC") else ["token", "head"]
+    assert order == [*inner, "kv", "element"]
+    kv = next(axis for axis in layer.axes if axis.axis == "kv")
+    assert kv.stride_bytes == 64 * 2  # V starts head_size elements into C
+    assert layer.page_bytes == page
+    assert layer.block_stride_bytes == (3 * page if block_major else page)
+    assert layer.byte_offset == (page if block_major else blocks * page)
+    assert manifest.layers["l0"].fingerprint == layer.fingerprint
+
+
+def test_real_nixl_reads_agree_with_diff() -> None:
+    """vLLM's own handshake and READ on CPU (tests/vllm_nixl_layout_child.py, safeview's plugin
+    off so that vLLM moves the bytes as it would), TP 2 -> 4 and 4 -> 2 included: diff is
+    compatible exactly where every byte arrived where each decode rank's own view reads it, and
+    names, per rank and layer, the first wrong byte."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = Path(__file__).parent / "vllm_nixl_layout_child.py"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
+    environ.update(VLLM_TARGET_DEVICE="cpu", SAFEVIEW_VLLM="0")
+    result = subprocess.run(
+        [sys.executable, str(child)], env=environ, capture_output=True, text=True, timeout=900
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("SAFEVIEW-LAYOUT")]
+    assert lines, (result.stdout + result.stderr)[-4000:]
+    runs = {run["scenario"]: run for run in json.loads(lines[-1].split(" ", 1)[1])}
+    for name, run in runs.items():
+        assert "error" not in run, (name, run.get("error"))
+        assert run["transfer"]["done"], name
+        assert run["compatible"] == run["ok"], (name, run)
+        named = {where: byte for kind, where, byte, _ in run["findings"] if kind == "byte"}
+        wrong = {where: byte for where, byte in run["wrong"].items() if byte is not None}
+        assert named == wrong, name
+    valid = {"identical_lbhnc", "identical_lbnhc", "blocks_32_to_64", "tp2_to_tp4", "tp4_to_tp2"}
+    wrong_bytes = {"same_string_layer_1_nhd", "tp2_to_tp4_p_layer_1_nhd"}
+    assert set(runs) == valid | wrong_bytes
+    assert all(runs[name]["ok"] for name in valid)
+    assert not any(runs[name]["ok"] for name in wrong_bytes)
