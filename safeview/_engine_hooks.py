@@ -23,10 +23,13 @@ _PATCHED = "__safeview_process_guard__"
 LOCAL_AGENT = "NIXL_INIT_AGENT"
 
 
-def _judge(source: str, rows: Any) -> None:
-    from safeview import process
+# the judge of local rows, handed over by ``safeview.process`` (which imports this module) when it
+# patches an engine: ``judge_rows(source, rows)``
+_judges: list[Callable[[str, Any], None]] = []
 
-    process._judge_rows(source, rows)
+
+def _judge(source: str, rows: Any) -> None:
+    _judges[0](source, rows)
 
 
 def _replace(owner: Any, name: str, make: Callable[[Callable[..., Any]], Any]) -> None:
@@ -41,9 +44,10 @@ def _replace(owner: Any, name: str, make: Callable[[Callable[..., Any]], Any]) -
 # -- NIXL ---------------------------------------------------------------------------------------
 
 
-def patch_nixl(module: Any) -> None:
+def patch_nixl(module: Any, judge_rows: Callable[[str, Any], None]) -> None:
     """Check the local descriptor lists of every ``nixl_agent`` of ``module`` (``nixl_cu12._api``
-    and its siblings)."""
+    and its siblings) with ``judge_rows``."""
+    _judges[:] = [judge_rows]
     from safeview.nixl import _rows
 
     agent_class = getattr(module, "nixl_agent", None)
@@ -102,9 +106,10 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name
     return args[position] if len(args) > position else kwargs.get(name)
 
 
-def patch_mooncake(module: Any) -> None:
+def patch_mooncake(module: Any, judge_rows: Callable[[str, Any], None]) -> None:
     """Check the local buffers of every transfer of every ``TransferEngine`` of ``module``
-    (``mooncake.engine``)."""
+    (``mooncake.engine``) with ``judge_rows``."""
+    _judges[:] = [judge_rows]
     engine_class = getattr(module, "TransferEngine", None)
     if engine_class is None:
         return

@@ -84,11 +84,8 @@ _COUNTS: list[int] = [0]
 
 
 def _process() -> Any:
-    """``safeview.process`` (imported on first use: it imports this module)."""
-    if not _module:
-        from safeview import process
-
-        _module.append(process)
+    """The judge ``install`` was handed (``safeview.process``, which imports this module: it is
+    handed over, never imported back up)."""
     return _module[0]
 
 
@@ -492,13 +489,15 @@ def installed() -> bool:
     return bool(_saved)
 
 
-def install() -> None:
-    """Patch the entry points (once; again is a no-op)."""
+def install(judge: Any) -> None:
+    """Patch the entry points (once; again is a no-op), each call judged by ``judge``
+    (``safeview.process``: its ``_judge_view``, ``_judge_raw``, ``_memory``, ``_counts``)."""
     global _COUNTS
     with _lock:
+        _module[:] = [judge]
         if _saved:
             return
-        _COUNTS = _process()._counts
+        _COUNTS = judge._counts
         for owner, name, replacement in _PATCHES:
             before = owner.__dict__.get(name, _MISSING)
             if getattr(replacement, "__name__", None) != name:

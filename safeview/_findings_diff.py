@@ -6,7 +6,7 @@ is loaded."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 if TYPE_CHECKING:
     from safeview._meaning import Meaning
@@ -19,11 +19,11 @@ def _n(number: int) -> str:
     return f"{number:,}"
 
 
-def _finding(kind: Kind, layer: str | None, message: str, **numbers: Any) -> Finding:
-    from safeview.findings import Finding
-
+def _finding(finding: Any, kind: Kind, layer: str | None, message: str, **numbers: Any) -> Finding:
+    """A ``finding`` (``Finding`` itself: these are its classmethods, so this module needs no
+    import of it) of ``kind`` about ``layer``."""
     views = (layer,) if layer is not None else ()
-    return Finding(kind, views, None, message, layer=layer, **numbers)
+    return cast("Finding", finding(kind, views, None, message, layer=layer, **numbers))
 
 
 class DiffFindings:
@@ -51,6 +51,7 @@ class DiffFindings:
         there. ``where`` names the ranks, in words, when a side has several."""
         page = "receiver page byte" if block is None else f"block {block}'s page byte"
         return _finding(
+            cls,
             "byte",
             layer,
             f"{layer}: {page} {_n(byte)} reads {receiver_reads.words()}, the sender wrote "
@@ -78,6 +79,7 @@ class DiffFindings:
         the receiver's page size, the first byte written past it)."""
         past = sender_page_bytes - receiver_page_bytes
         return _finding(
+            cls,
             "byte",
             layer,
             f"{layer}: the sender's page is {_n(sender_page_bytes)} bytes, the receiver's "
@@ -101,6 +103,7 @@ class DiffFindings:
     ) -> Finding:
         """The receiver reads ``reads`` elements where the sender wrote ``wrote``."""
         return _finding(
+            cls,
             "dtype",
             layer,
             f"{layer}: the receiver reads {reads}, the sender wrote {wrote}{where}",
@@ -112,7 +115,7 @@ class DiffFindings:
     @classmethod
     def missing_layer(cls, layer: str, *, side: Literal["sender", "receiver"]) -> Finding:
         """Only ``side`` has ``layer``: layers are paired by name, never by position."""
-        return _finding("missing_layer", layer, f"{layer}: only the {side} has this layer")
+        return _finding(cls, "missing_layer", layer, f"{layer}: only the {side} has this layer")
 
     @classmethod
     def missing_rank(
@@ -131,7 +134,12 @@ class DiffFindings:
         else:
             message = f"{layer}: the sender's rank {rank} manifest (or its layer) is missing{where}"
         return _finding(
-            "missing_rank", layer, message, receiver_rank=receiver_rank, sender_ranks=sender_ranks
+            cls,
+            "missing_rank",
+            layer,
+            message,
+            receiver_rank=receiver_rank,
+            sender_ranks=sender_ranks,
         )
 
     @classmethod
@@ -140,6 +148,7 @@ class DiffFindings:
     ) -> Finding:
         """``connector`` itself refuses to move ``layer`` between the two sides: ``reason``."""
         return _finding(
+            cls,
             "refused",
             layer,
             f"{layer}: {connector} refuses this pair: {reason}{where}",

@@ -148,20 +148,29 @@ def describe_caches(
     caches: dict[str, Any] = {}
     axes: dict[str, tuple[str, ...]] = {}
     kinds: dict[str, Any] = {}
+    kind_of: dict[type, str | None] = {}  # a model has a few spec types and many layers
+    axes_of: dict[str, tuple[str, ...]] = {}
     for name, cache in kv_caches.items():
-        kind = _kind(specs.get(name))
+        spec = specs.get(name)
+        kind = kind_of.get(type(spec), "?")
+        if kind == "?":
+            kind = kind_of[type(spec)] = _kind(spec)
         if kind is None or getattr(cache, "ndim", 0) != 4:
             continue  # a flat byte view, a layer without views: nothing derivable
         caches[name] = cache
-        axes[name] = vllm_axes(kind)  # type: ignore[arg-type]
+        if kind not in axes_of:
+            axes_of[kind] = vllm_axes(kind)  # type: ignore[arg-type]
+        axes[name] = axes_of[kind]
         if kind == "mamba":
             kinds[name] = "state"
     if not caches:
         raise ManifestError("kv_caches", len(kv_caches), "hold no attention, MLA or Mamba layer")
     groups = _groups(kv_cache_config)
+    # one tuple for every layer when they share it: describe reads it once
+    shared = next(iter(axes_of.values())) if len(axes_of) == 1 else None
     return describe(
         caches,
-        axes=axes,
+        axes=shared or axes,
         topology=topology,
         groups={name: groups[name] for name in caches if name in groups},
         kinds=kinds,
@@ -194,12 +203,21 @@ def _connector_topology(connector: Any) -> Topology:
 
     config = connector._vllm_config
     layout = getattr(config.cache_config, "kv_cache_layout", None)
+    try:
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except AssertionError:  # no tensor-parallel group: one process, if the config says so
+        parallel = getattr(config, "parallel_config", None)
+        tp_size = getattr(parallel, "tensor_parallel_size", 1)
+        if tp_size != 1:
+            raise
+        tp_rank = 0
+    engine_id = getattr(getattr(config, "kv_transfer_config", None), "engine_id", None)
     return Topology(
-        tp_rank=int(get_tensor_model_parallel_rank()),
-        tp_size=int(get_tensor_model_parallel_world_size()),
+        tp_rank=int(tp_rank),
+        tp_size=int(tp_size),
         total_kv_heads=int(config.model_config.get_total_num_kv_heads()),
         logical_block_tokens=int(config.cache_config.block_size),
-        engine=str(config.kv_transfer_config.engine_id),
+        engine=None if engine_id is None else str(engine_id),
         engine_version=f"vllm {_vllm_version()}",
         layout=None if layout is None else str(getattr(layout, "name", layout)),
     )
@@ -218,7 +236,8 @@ def write_manifest(manifest: Manifest, folder: Path) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     path = target / manifest.file_name()
     partial = target / f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial"
-    partial.write_text(manifest.to_json(), encoding="utf-8")
+    # compact: half the cost of an indented one, on the registration's path
+    partial.write_text(manifest.to_json(indent=None), encoding="utf-8")
     os.replace(partial, path)
     return path
 

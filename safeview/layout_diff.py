@@ -89,8 +89,8 @@ def _numpy() -> Any:
         import numpy
     except ImportError:  # pragma: no cover - numpy is there wherever torch is
         raise ArgumentError(
-            "safeview.diff needs numpy, which is not installed; "
-            "install it with: pip install 'safeview[transfer]'"
+            "safeview.diff needs numpy, which is not installed; install it with "
+            "pip install numpy (from a checkout of safeview: pip install -e '.[diff]')"
         ) from None
     return numpy
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -452,15 +453,15 @@ def _on_import(name: str, module: ModuleType, policy: str) -> None:
     if name == "torch":
         from safeview import _entry_guard
 
-        _entry_guard.install()
+        _entry_guard.install(sys.modules[__name__])
     elif name.endswith("._api") and name.startswith("nixl"):
         from safeview import _engine_hooks
 
-        _engine_hooks.patch_nixl(module)
+        _engine_hooks.patch_nixl(module, _judge_rows)
     elif name == "mooncake.engine":
         from safeview import _engine_hooks
 
-        _engine_hooks.patch_mooncake(module)
+        _engine_hooks.patch_mooncake(module, _judge_rows)
 
 
 def _begin(active: Policy, *, source: str) -> None:
@@ -502,8 +503,6 @@ def start(policy: PolicyArg = "strict") -> None:
 def stop() -> None:
     """Turn the guard off: torch's own entry points are back, and ``process_guard_stopped`` says
     what it did."""
-    import sys
-
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _startup.Finder)]
     if "safeview._entry_guard" in sys.modules:
         from safeview import _entry_guard
@@ -535,7 +534,6 @@ def run_command(argv: list[str], policy: str = "strict") -> int:
     (``128 + N`` when a signal ``N`` ended it, as a shell says; 127 when it cannot be started)."""
     import os
     import subprocess
-    import sys
 
     environment = dict(os.environ)
     environment[ENV_GUARD] = coerce_policy(policy, source="--policy").value

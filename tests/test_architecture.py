@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import safeview
 
 PACKAGE = Path(safeview.__file__).parent
@@ -85,9 +87,24 @@ def test_the_dispatch_guard_builds_on_the_first_half_and_neither_imports_upward(
     }
 
 
-def test_no_module_imports_another_in_a_circle() -> None:
-    graph = {name: _package_imports(name, path, top_only=True) for name, path in _modules().items()}
+# Entry points, which the interpreter or another program starts and which import the package from
+# above: the start-up hook (loaded by safeview-guard.pth before anything else, it imports
+# safeview.process once torch or an engine is imported), the command, ``python -m safeview``.
+ENTRY_POINTS = {"_startup", "cli", "__main__"}
+
+
+@pytest.mark.parametrize("top_only", [True, False], ids=["module level", "imports on first use"])
+def test_no_module_imports_another_in_a_circle(top_only: bool) -> None:
+    graph = {
+        name: _package_imports(name, path, top_only=top_only) for name, path in _modules().items()
+    }
     assert "_torch" in graph["view"]  # the scan sees the package's own imports
+    if not top_only:
+        assert "process" in graph["_startup"]  # the scan sees imports inside functions
+        graph = {
+            name: imported if name not in ENTRY_POINTS else set()
+            for name, imported in graph.items()
+        }
     done: set[str] = set()
 
     def walk(name: str, path: tuple[str, ...]) -> None:
