@@ -10,7 +10,11 @@ planned and allocated by vLLM's own code (tests/vllm_harness.py), registered by 
    worker alone;
 3. for scale, a dispatch mode that does nothing but pass every op on / the worker alone: the
    floor any dispatch-level guard pays in this torch (built as safeview's guard is:
-   ``__torch_dispatch__`` set after the class is made, so torch does not wrap it).
+   ``__torch_dispatch__`` set after the class is made, so torch does not wrap it);
+4. the plugin with ``SAFEVIEW_MANIFEST_DIR`` set / without: the layout manifest derived and
+   written (target 5%). On meta the registration touches no memory, so this is the manifest
+   against bookkeeping alone; ``bench_vllm_nixl.py`` measures it against vLLM's NIXL
+   connector registering real memory, as users pay it.
 
 Each round runs the worker alone and then each variant (in reversed order every other round);
 the figure is the median of the per-round ratios to the worker alone in that round. The spread

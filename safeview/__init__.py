@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from safeview.manifest import Manifest, describe
     from safeview.view import make_view
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
 
 __all__ = [
     "AddressError",

@@ -40,6 +40,7 @@ context parallelism). safeview's own failure never stops the engine: one
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -52,10 +53,11 @@ from safeview import log
 from safeview.errors import LayoutMismatchError, ManifestError
 from safeview.layout_diff import DiffReport, diff
 from safeview.manifest import (
+    Derived,
     Layer,
     Manifest,
     Topology,
-    describe,
+    derive,
     heads_of_rank,
     layer_from_geometry,
     vllm_axes,
@@ -109,25 +111,6 @@ def _nixl_workers(connector: Any) -> list[Any]:
     return [w for w in workers if w is not None and hasattr(w, "nixl_wrapper")]
 
 
-def _layer_specs(kv_cache_config: Any) -> dict[str, Any]:
-    """Layer name -> its spec (uniform-type groups unwrapped)."""
-    specs: dict[str, Any] = {}
-    for group in getattr(kv_cache_config, "kv_cache_groups", ()):
-        spec = group.kv_cache_spec
-        inner = getattr(spec, "kv_cache_specs", None)
-        for name in group.layer_names:
-            specs[name] = inner.get(name, spec) if isinstance(inner, Mapping) else spec
-    return specs
-
-
-def _groups(kv_cache_config: Any) -> dict[str, int]:
-    return {
-        name: index
-        for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ()))
-        for name in group.layer_names
-    }
-
-
 def _kind(spec: Any) -> str | None:
     """``attention``, ``mla`` or ``mamba`` for a spec vLLM 0.33 gives per-layer views of."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
@@ -141,23 +124,26 @@ def _kind(spec: Any) -> str | None:
 
 def describe_caches(
     kv_caches: Mapping[str, Any], kv_cache_config: Any, topology: Topology
-) -> Manifest:
+) -> Derived:
     """The manifest of the layers of ``kv_caches`` that ``kv_cache_config`` gives a spec with
-    per-layer views (attention, MLA, Mamba state) and a 4-d cache, read off their strides."""
-    specs = _layer_specs(kv_cache_config)
+    per-layer views (attention, MLA, Mamba state) and a 4-d cache, read off their strides (its
+    fingerprint and text at once, the ``Manifest`` when a peer is judged)."""
+    of_layer = _specs_and_groups(kv_cache_config)
     caches: dict[str, Any] = {}
     axes: dict[str, tuple[str, ...]] = {}
     kinds: dict[str, Any] = {}
+    groups: dict[str, int] = {}
     kind_of: dict[type, str | None] = {}  # a model has a few spec types and many layers
     axes_of: dict[str, tuple[str, ...]] = {}
     for name, cache in kv_caches.items():
-        spec = specs.get(name)
+        spec, group = of_layer.get(name, (None, -1))  # no spec: no kind, left out below
         kind = kind_of.get(type(spec), "?")
         if kind == "?":
             kind = kind_of[type(spec)] = _kind(spec)
         if kind is None or getattr(cache, "ndim", 0) != 4:
             continue  # a flat byte view, a layer without views: nothing derivable
         caches[name] = cache
+        groups[name] = group
         if kind not in axes_of:
             axes_of[kind] = vllm_axes(kind)  # type: ignore[arg-type]
         axes[name] = axes_of[kind]
@@ -165,16 +151,22 @@ def describe_caches(
             kinds[name] = "state"
     if not caches:
         raise ManifestError("kv_caches", len(kv_caches), "hold no attention, MLA or Mamba layer")
-    groups = _groups(kv_cache_config)
     # one tuple for every layer when they share it: describe reads it once
     shared = next(iter(axes_of.values())) if len(axes_of) == 1 else None
-    return describe(
-        caches,
-        axes=shared or axes,
-        topology=topology,
-        groups={name: groups[name] for name in caches if name in groups},
-        kinds=kinds,
-    )
+    return derive(caches, axes=shared or axes, topology=topology, groups=groups, kinds=kinds)
+
+
+def _specs_and_groups(kv_cache_config: Any) -> dict[str, tuple[Any, int]]:
+    """Layer name -> its spec (uniform-type groups unwrapped) and its KV-cache group."""
+    found: dict[str, tuple[Any, int]] = {}
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ())):
+        spec = group.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)
+        if isinstance(inner, Mapping):
+            found.update((name, (inner.get(name, spec), index)) for name in group.layer_names)
+        else:
+            found.update(dict.fromkeys(group.layer_names, (spec, index)))
+    return found
 
 
 def _worker_topology(worker: Any) -> Topology:
@@ -229,34 +221,66 @@ def engine_folder(folder: Path, engine: str | None) -> Path:
     return folder / _safe(engine or "engine")
 
 
-def write_manifest(manifest: Manifest, folder: Path) -> Path:
+def write_manifest(manifest: Manifest | Derived, folder: Path) -> Path:
     """Write ``manifest`` into its engine's folder in ``folder``, under its own file name
-    (``Manifest.file_name``), atomically (a reader never sees half a file); returns the path."""
+    (``Manifest.file_name``); returns the path. A reader sees the previous file, none, or the
+    new one whole, never half of one: the text goes to a hidden file renamed into place."""
     target = engine_folder(folder, manifest.topology.engine)
     target.mkdir(parents=True, exist_ok=True)
     path = target / manifest.file_name()
-    partial = target / f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial"
+    partial = f"{target}/.{path.name}.{os.getpid()}.{threading.get_ident()}.partial"
     # compact: half the cost of an indented one, on the registration's path
-    partial.write_text(manifest.to_json(indent=None), encoding="utf-8")
+    text = manifest.to_json(indent=None).encode()
+    handle = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(handle, text)
+    finally:
+        os.close(handle)
+    # A rename over an existing file makes ext4 (auto_da_alloc) write the new file's blocks
+    # out before the rename returns: 0.2 to 1 ms on the registration's path. The previous
+    # run's file goes first; the rename then only links a name.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
     os.replace(partial, path)
     return path
 
 
 def read_engine_manifests(
-    folder: Path, engine: str | None = None
+    folder: Path, engine: str | None = None, *, but: str | None = None
 ) -> dict[str, list[tuple[Path, Manifest]]]:
     """Every readable manifest in the engine folders of ``folder`` (only ``engine``'s when
-    given), by engine id; files that are not manifests of this schema are left out (another
-    engine may be writing one right now)."""
+    given; never those in engine ``but``'s folder), by engine id; files that are not manifests
+    of this schema are left out (another engine may be writing one right now)."""
     engines: dict[str, list[tuple[Path, Manifest]]] = {}
-    pattern = f"*/*{_SUFFIX}" if engine is None else f"{_safe(engine)}/*{_SUFFIX}"
-    for path in sorted(folder.glob(pattern)) if folder.is_dir() else ():
+    skipped = None if but is None else _safe(but or "engine")  # engine_folder's name
+    for path in _manifest_files(folder, None if engine is None else _safe(engine), skipped):
         try:
             manifest = Manifest.read(path)
         except ManifestError:
             continue
         engines.setdefault(manifest.topology.engine or "", []).append((path, manifest))
     return engines
+
+
+def _manifest_files(folder: Path, only: str | None, skipped: str | None) -> list[Path]:
+    """The manifest files in the engine folders of ``folder`` (``only``'s, or all but
+    ``skipped``'s), in name order; none when ``folder`` is missing. ``os.scandir`` rather than
+    ``Path.glob``: a worker looks at start-up, on its registration's path."""
+    found: list[Path] = []
+    engines = [only] if only is not None else _entries(folder, lambda entry: entry.is_dir())
+    for name in sorted(set(engines) - {skipped}):
+        files = _entries(folder / name, lambda entry: entry.name.endswith(_SUFFIX))
+        found += [folder / name / file for file in sorted(files) if not file.startswith(".")]
+    return found
+
+
+def _entries(folder: Path, keep: Any) -> list[str]:
+    """The names of the entries of ``folder`` that ``keep`` keeps; none when it cannot be read."""
+    try:
+        with os.scandir(folder) as entries:
+            return [entry.name for entry in entries if keep(entry)]
+    except OSError:  # no folder yet, or not one
+        return []
 
 
 # -- P's manifest from its NIXL metadata --------------------------------------------------------
@@ -382,18 +406,26 @@ class WorkerLayout:
     (the handshake runs in a thread of its own, outside any ``policy_scope``), and its last
     verdict per remote engine."""
 
-    def __init__(self, worker: Any, manifest: Manifest, folder: Path | None, policy: Policy):
+    def __init__(
+        self, worker: Any, manifest: Manifest | Derived, folder: Path | None, policy: Policy
+    ):
         self.worker = worker
-        self.manifest = manifest
+        self.derived = manifest
         self.folder = folder
         self.path: Path | None = None
         self.policy = policy
         self.lock = threading.Lock()
         self.verdicts: dict[str, tuple[Any, LayoutMismatchError | None]] = {}
 
+    @property
+    def manifest(self) -> Manifest:
+        """The worker's manifest, built from what registration derived when first judged."""
+        derived = self.derived
+        return derived.manifest() if isinstance(derived, Derived) else derived
+
     # the fields every layout event carries
     def _fields(self, remote: str, remote_tp_size: int | None, when: str) -> dict[str, Any]:
-        topology = self.manifest.topology
+        topology = self.derived.topology
         return {
             "engine": topology.engine,
             "tp_rank": topology.tp_rank,
@@ -402,7 +434,7 @@ class WorkerLayout:
             "remote_tp_size": remote_tp_size,
             "when": when,
             "policy": self.policy.value,
-            "fingerprint": self.manifest.fingerprint,
+            "fingerprint": self.derived.fingerprint,
         }
 
     def not_judged(self) -> str | None:
@@ -533,8 +565,9 @@ class WorkerLayout:
         role = getattr(getattr(self.worker, "kv_transfer_config", None), "kv_role", "kv_both")
         if role == "kv_producer":
             return  # it never reads
-        mine = self.manifest.topology.engine
-        for engine, found in sorted(read_engine_manifests(self.folder).items()):
+        mine = self.derived.topology.engine
+        # not its own engine's files: no rank of an engine judges another rank of it
+        for engine, found in sorted(read_engine_manifests(self.folder, but=mine or "").items()):
             if engine == mine or not engine:
                 continue
             sizes = {m.topology.tp_size for _, m in found}
@@ -551,10 +584,14 @@ class WorkerLayout:
                                    "reason": None})  # fmt: skip
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+@functools.lru_cache(maxsize=64)  # a worker asks for its own engine's at every look
 def _safe(engine: str) -> str:
     """An engine id as one folder name: nothing but letters, digits, ``_``, ``-`` and ``.``,
     and no leading dot (no hidden folder, no way up)."""
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", engine)
+    name = _UNSAFE.sub("_", engine)
     return name if name and not name.startswith(".") else f"_{name}"
 
 
@@ -595,7 +632,9 @@ class Registered:
     """What ``at_registration`` derived: each worker's layout, and the first manifest (its
     fingerprint and file) for the ``registration_checked`` event."""
 
-    def __init__(self, layouts: list[WorkerLayout], manifest: Manifest | None, path: Path | None):
+    def __init__(
+        self, layouts: list[WorkerLayout], manifest: Manifest | Derived | None, path: Path | None
+    ):
         self.layouts = layouts
         self.manifest = manifest
         self.path = path
@@ -642,7 +681,7 @@ def at_registration(
                 )
                 for worker in workers
             ]
-            manifests = [layout.manifest for layout in layouts]
+            manifests = [layout.derived for layout in layouts]
         else:
             layouts = []
             topology = _connector_topology(connector)

@@ -40,11 +40,13 @@ if TYPE_CHECKING:
 __all__ = [
     "AXIS_NAMES",
     "MANIFEST_SCHEMA",
+    "Derived",
     "Layer",
     "Manifest",
     "PageAxis",
     "Topology",
     "assumed",
+    "derive",
     "describe",
     "heads_of_rank",
     "layer_from_geometry",
@@ -204,7 +206,9 @@ class Manifest(BaseModel):
 
     @model_validator(mode="after")
     def _fingerprinted(self) -> Manifest:
-        fingerprint = _fingerprint_of(self.layers)
+        fingerprint = _fingerprint_of(
+            (name, layer.fingerprint) for name, layer in self.layers.items()
+        )
         if self.fingerprint and self.fingerprint != fingerprint:
             raise ValueError(
                 f"fingerprint {self.fingerprint} is not that of these layers ({fingerprint})"
@@ -285,8 +289,12 @@ class Manifest(BaseModel):
     def file_name(self) -> str:
         """``ENGINE.tpRANKofSIZE.manifest.json``: one file per engine and rank, so that one
         folder can hold both engines of a pair."""
-        engine = (self.topology.engine or "engine").replace("/", "_")
-        return f"{engine}.tp{self.topology.tp_rank}of{self.topology.tp_size}.manifest.json"
+        return _file_name(self.topology)
+
+
+def _file_name(topology: Topology) -> str:
+    engine = (topology.engine or "engine").replace("/", "_")
+    return f"{engine}.tp{topology.tp_rank}of{topology.tp_size}.manifest.json"
 
 
 def _short(text: str | bytes) -> str:
@@ -334,10 +342,10 @@ def _layer_fingerprint(layer: Layer) -> str:
     return found
 
 
-def _fingerprint_of(layers: Mapping[str, Layer]) -> str:
+def _fingerprint_of(pairs: Iterable[tuple[str, str]]) -> str:
     """sha256 of the canonical JSON of ``[[name, layer fingerprint], ...]`` in name order."""
-    pairs = sorted((name, layer.fingerprint) for name, layer in layers.items())
-    return hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()
+    ordered = sorted(pairs)
+    return hashlib.sha256(json.dumps(ordered, separators=(",", ":")).encode()).hexdigest()
 
 
 def heads_of_rank(tp_rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, ...]:
@@ -556,15 +564,26 @@ def describe(
     says which rank this is; the global heads a rank holds default to vLLM's sharding over
     ``total_kv_heads`` (``heads_of_rank``). ``ManifestError`` names the layer and the axis of
     anything that cannot be derived."""
+    return derive(kv_caches, axes=axes, topology=topology, groups=groups, kinds=kinds).manifest()
+
+
+def derive(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    axes: AxesSpec,
+    topology: Topology | Mapping[str, Any] | None = None,
+    groups: Mapping[str, int | str] | None = None,
+    kinds: Mapping[str, LayerKind] | None = None,
+) -> Derived:
+    """What ``describe`` reads, before a ``Layer`` is built for each layer: see ``Derived``."""
     from safeview import _torch
 
     known = _topology(topology)
     if not isinstance(kv_caches, Mapping):
         raise ManifestError("kv_caches", type(kv_caches).__name__, "is not a mapping of tensors")
-    layers: dict[str, Layer] = {}
+    entries: list[tuple[str, Layer, int]] = []
     fixed = None if callable(axes) or isinstance(axes, Mapping) else _axes_for(axes, "", ())
-    # layers of one shape differ only in where they lie: each page is derived once, and the
-    # other layers of its shape are copies at their own offsets
+    # layers of one shape differ only in where they lie: each page is derived once
     seen: dict[tuple[Any, ...], Layer] = {}
     for name, tensor in kv_caches.items():
         if not _torch.is_strided_tensor(tensor):
@@ -592,11 +611,65 @@ def describe(
                 kind=kind,
                 group=group,
             )
-        byte_offset = _torch.byte_offset(tensor)
-        layers[name] = (
-            template if template.byte_offset == byte_offset else _at(template, byte_offset)
-        )
-    return _finish(layers, known, seen.values())
+        entries.append((name, template, _torch.byte_offset(tensor)))
+    return Derived(_finished(known, seen.values()), entries)
+
+
+class Derived:
+    """A manifest read off tensors, held as one ``Layer`` per page shape and each layer's name
+    and first byte. Its ``fingerprint`` and its JSON text (``to_json()``: the text the
+    ``Manifest`` writes, byte for byte) are made without a ``Layer`` per layer, which is what a
+    registration pays for (the vLLM plugin writes the text at start-up); ``manifest()`` builds
+    the ``Manifest`` on first use."""
+
+    def __init__(self, topology: Topology, entries: list[tuple[str, Layer, int]]):
+        self.topology = topology
+        self.fingerprint = _fingerprint_of((name, t.fingerprint) for name, t, _ in entries)
+        self._entries = entries
+        self._manifest: Manifest | None = None
+
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            layers = {
+                name: template if template.byte_offset == at else _at(template, at)
+                for name, template, at in self._entries
+            }
+            self._manifest = Manifest.model_construct(
+                topology=self.topology, layers=layers, fingerprint=self.fingerprint
+            )
+        return self._manifest
+
+    def file_name(self) -> str:
+        return _file_name(self.topology)
+
+    def to_json(self, indent: int | None = None) -> str:
+        if indent is not None or self._manifest is not None:
+            return self.manifest().to_json(indent=indent)
+        head = Manifest.model_construct(
+            topology=self.topology, layers={}, fingerprint=self.fingerprint
+        ).to_json(indent=None)
+        before, _, after = head.partition('"layers":{}')
+        pieces: dict[int, tuple[str, str] | None] = {}
+        parts = []
+        for name, template, at in self._entries:
+            if id(template) not in pieces:  # its text, split where its first byte goes
+                pieces[id(template)] = _around_offset(template)
+            piece = pieces[id(template)]
+            if piece is None:
+                return self.manifest().to_json(indent=None)
+            parts.append(f"{_json_string(name)}:{piece[0]}{at}{piece[1]}")
+        return f'{before}"layers":{{{",".join(parts)}}}{after}'
+
+
+_json_string = json.JSONEncoder(ensure_ascii=False).encode
+# a first byte no layer has: it marks where each layer's goes in its page's text
+_MARK = 8_070_450_532_247_928_831
+
+
+def _around_offset(template: Layer) -> tuple[str, str] | None:
+    text = _at(template, _MARK).model_dump_json()
+    before, mark, after = text.partition(f'"byte_offset":{_MARK}')
+    return None if not mark or str(_MARK) in after else (f'{before}"byte_offset":', after)
 
 
 def _at(layer: Layer, byte_offset: int) -> Layer:
@@ -613,17 +686,12 @@ def _at(layer: Layer, byte_offset: int) -> Layer:
     return clone
 
 
-def _finish(
-    layers: dict[str, Layer], topology: Topology, shapes: Iterable[Layer] | None = None
-) -> Manifest:
-    """The manifest of layers already validated one by one (not validated again); ``shapes``
-    holds one layer of each shape, when known."""
-    tokens = {layer.size_of("token") for layer in (layers.values() if shapes is None else shapes)}
+def _finished(topology: Topology, shapes: Iterable[Layer]) -> Topology:
+    """``topology`` with the kernel's block tokens, when it does not say and the layers agree."""
+    tokens = {layer.size_of("token") for layer in shapes}
     if topology.kernel_block_tokens is None and len(tokens) == 1:
-        topology = topology.model_copy(update={"kernel_block_tokens": tokens.pop()})
-    return Manifest.model_construct(
-        topology=topology, layers=layers, fingerprint=_fingerprint_of(layers)
-    )
+        return topology.model_copy(update={"kernel_block_tokens": tokens.pop()})
+    return topology
 
 
 def vllm_axes(kind: Literal["attention", "mla", "mamba"] = "attention") -> tuple[str, ...]:
@@ -721,4 +789,5 @@ def assumed(
         )
     if not built:
         raise ManifestError("layers", [], "is empty: a manifest needs a layer")
-    return _finish(built, known)
+    entries = [(name, layer, layer.byte_offset) for name, layer in built.items()]
+    return Derived(_finished(known, built.values()), entries).manifest()

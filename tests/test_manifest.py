@@ -9,10 +9,12 @@ import sys
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import safeview
 from safeview import Manifest, ManifestError
-from safeview.manifest import MANIFEST_SCHEMA, assumed, heads_of_rank, vllm_axes
+from safeview.manifest import MANIFEST_SCHEMA, assumed, derive, heads_of_rank, vllm_axes
 
 
 def vllm_cache(layout: str, blocks: int = 10, heads: int = 4, tokens: int = 16, size: int = 64,
@@ -188,3 +190,50 @@ def test_mamba_state_layers_are_state_and_not_judged_under_vllm_nixl() -> None:
     report = safeview.diff(manifest, manifest, rule="vllm_nixl")
     assert report.compatible
     assert list(report.skipped) == ["mamba.0"]
+
+
+_LAYOUTS = ("LBHNC", "LBNHC")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    names=st.lists(st.text(max_size=12), min_size=1, max_size=6, unique=True),
+    layouts=st.lists(st.sampled_from(_LAYOUTS), min_size=6, max_size=6),
+    heads=st.sampled_from((1, 2, 4)),
+    engine=st.one_of(st.none(), st.text(max_size=8)),
+    groups=st.booleans(),
+)
+def test_the_text_written_at_registration_is_the_manifests_own(
+    names: list[str], layouts: list[str], heads: int, engine: str | None, groups: bool
+) -> None:
+    # derive() writes its JSON text from one Layer per page shape; it must be the text the
+    # Manifest itself writes, byte for byte, and read back as the same manifest
+    storage = torch.empty(len(names) * 10 * 4 * 16 * 128, dtype=torch.float16, device="meta")
+    caches = {}
+    for index, name in enumerate(names):
+        cache = vllm_cache(layouts[index], heads=heads, device="meta")
+        at = index * cache.untyped_storage().nbytes() // 2
+        caches[name] = storage[at:].as_strided(cache.shape, cache.stride())
+    topology = {"tp_size": 2, "tp_rank": 1, "total_kv_heads": 2 * heads, "engine": engine}
+    group_of = {name: index % 2 for index, name in enumerate(names)} if groups else None
+    derived = derive(caches, axes=vllm_axes(), topology=topology, groups=group_of)
+    described = safeview.describe(caches, axes=vllm_axes(), topology=topology, groups=group_of)
+    text = derived.to_json()
+    assert text == described.to_json(indent=None)
+    assert Manifest.from_json(text) == described == derived.manifest()
+    assert derived.fingerprint == described.fingerprint
+    assert derived.file_name() == described.file_name()
+
+
+def test_a_page_text_that_cannot_be_split_is_written_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import safeview.manifest as manifest
+
+    caches = {"a": vllm_cache("LBHNC"), "b": vllm_cache("LBNHC")}
+    expected = safeview.describe(caches, axes=vllm_axes()).to_json(indent=None)
+    # the mark that says where a layer's first byte goes, also the page size: it cannot
+    # be told apart, so the text is the whole Manifest's
+    monkeypatch.setattr(manifest, "_MARK", caches["a"][0].nbytes)
+    assert manifest._around_offset(derive(caches, axes=vllm_axes()).manifest().layers["a"]) is None
+    assert derive(caches, axes=vllm_axes()).to_json() == expected

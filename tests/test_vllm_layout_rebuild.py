@@ -133,6 +133,25 @@ def test_manifests_go_to_one_folder_per_engine(tmp_path: Path) -> None:
     ]
 
 
+def test_a_second_start_replaces_the_file_and_a_worker_skips_its_own_engine(
+    tmp_path: Path,
+) -> None:
+    first = _derived("LBHNC", 0, 2).model_copy(update={"topology": Topology(tp_size=2, engine="D")})
+    second = _derived("LBNHC", 0, 2).model_copy(update={"topology": first.topology})
+    assert first.fingerprint != second.fingerprint
+    path = layout.write_manifest(first, tmp_path)
+    assert layout.write_manifest(second, tmp_path) == path
+    assert Manifest.read(path) == second  # the previous run's manifest is gone, not merged
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no hidden file left
+    peer = first.model_copy(update={"topology": Topology(tp_size=2, engine="P")})
+    layout.write_manifest(peer, tmp_path)
+    (tmp_path / "not-a-folder.manifest.json").write_text("{}", encoding="utf-8")
+    assert list(layout.read_engine_manifests(tmp_path)) == ["D", "P"]
+    assert list(layout.read_engine_manifests(tmp_path, but="D")) == ["P"]
+    assert list(layout.read_engine_manifests(tmp_path, "P", but="D")) == ["P"]
+    assert layout.read_engine_manifests(tmp_path / "missing") == {}
+
+
 @pytest.mark.parametrize(
     ("engine", "folder"), [("..", "_.."), ("", "engine"), ("a b*[c]", "a_b__c_")]
 )
