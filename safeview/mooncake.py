@@ -16,6 +16,13 @@ cannot be replaced) that checks, before the engine runs:
   through the guard is a ``duplicate_registration``; ``unregister_memory`` and
   ``batch_unregister_memory`` forget it.
 
+After the engine ran, its return code is judged: a failure is a ``transfer_failed`` (or
+``registration_failed``) event and reaches the caller unchanged, and a later call that depends on
+it (a write of bytes whose read failed) is refused under strict. An asynchronous call returns a
+batch id (0: the submit failed); the guard remembers the id with its local rows until
+``get_batch_transfer_status`` (or ``transfer_check_status``) reports its outcome, and until then
+the bytes of an asynchronous read count as not yet read.
+
 Every other attribute is the engine's own. Mooncake is never imported here. An engine without
 the methods this guard knows (Mooncake 0.3.13) gets one ``integration_unavailable`` event and is
 returned as it is.
@@ -24,8 +31,10 @@ returned as it is.
 from __future__ import annotations
 
 import warnings
+from bisect import bisect_left
 from collections.abc import Sequence
 from importlib import metadata
+from itertools import accumulate
 from typing import Any
 
 from safeview import log
@@ -116,6 +125,20 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name
     return args[position] if len(args) > position else kwargs[name]
 
 
+#: batches remembered at most: a caller that never asks about its batches (it waits for the
+#: peer's notification instead) costs a bounded memory and a bounded check per write
+_MAX_BATCHES = 256
+_UNCONFIRMED = (
+    "(batch not confirmed: the engine returned its id and no get_batch_transfer_status of it "
+    "has returned 0 yet)"
+)
+
+
+def _code(value: Any) -> int | None:
+    """``value`` as a return code of the engine, or None where it is not an integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _reads(opcode: Any) -> bool:
     """Whether a ``TransferOpcode`` is a read (its name is ``Read``)."""
     return str(getattr(opcode, "name", opcode)).lower().endswith("read")
@@ -142,6 +165,9 @@ class GuardedEngine:
         # (address, length, the call, the status it returned) of failed registrations and reads
         self._safeview_failed_registrations: list[tuple[int, int, str, Any]] = []
         self._safeview_failed_reads: list[tuple[int, int, str, Any]] = []
+        # batch id -> (the call that submitted it, its local rows, whether it reads), until the
+        # engine reports its outcome (the engine frees the id then, and may hand it out again)
+        self._safeview_batches: dict[int, tuple[str, list[tuple[int, int]], bool]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -219,13 +245,29 @@ class GuardedEngine:
     ) -> None:
         """Refuse (strict) or report (warn) a call whose local bytes an earlier failure left
         unusable: memory whose registration failed (and no later one succeeded), or, for a
-        write, bytes whose read failed (and no later read succeeded)."""
+        write, bytes whose read failed (and no later read succeeded) or whose asynchronous read
+        was never confirmed (``failed`` says so, ``status`` is the batch id)."""
         failures = [f for f in self._safeview_failed_registrations if not self._registered_at(f)]
         if not reading:
             failures += self._safeview_failed_reads
+            failures += [
+                (address, length, f"{call} {_UNCONFIRMED}", batch_id)
+                for batch_id, (call, spans, reads) in list(self._safeview_batches.items())
+                if reads
+                for address, length in spans
+            ]
+        if not failures:
+            return
+        # many batches may be in flight: find a row's overlap by bisection, not pair by pair
+        failures.sort(key=lambda failure: failure[0])
+        starts = [failure[0] for failure in failures]
+        reach = list(accumulate((low + size for low, size, _, _ in failures), max))
         for address, length in rows:
-            for low, size, failed, status in failures:
-                if address < low + size and low < address + length:
+            last = bisect_left(starts, address + length) - 1  # the failures starting before its end
+            if last < 0 or reach[last] <= address:
+                continue
+            for low, size, failed, status in reversed(failures[: last + 1]):
+                if address < low + size:
                     layers = layers_in(self._safeview_memory, [(address, length)])
                     strict = active is Policy.STRICT
                     log.failure_ignored(
@@ -252,21 +294,87 @@ class GuardedEngine:
         active = self._active()
         if active is Policy.OFF:
             return status
-        failed = isinstance(status, int) and not isinstance(status, bool) and status < 0
+        code = _code(status)
+        failed = code is not None and code < 0
         if failed:
-            log.engine_failed(
-                "transfer_failed", source=source, engine="Mooncake transfer engine",
-                status=status, layers=layers_in(self._safeview_memory, rows), regions=rows,
-                policy=active.value,
-            )  # fmt: skip
+            self._failed(source, rows, status, active)
         if reading:
-            spans = set(rows)
-            self._safeview_failed_reads = [
-                f for f in self._safeview_failed_reads if (f[0], f[1]) not in spans
-            ]
-            if failed:
-                self._safeview_failed_reads += [(a, n, source, status) for a, n in rows]
+            self._read(source, rows, status, failed)
         return status
+
+    def _failed(
+        self, source: str, rows: list[tuple[int, int]], status: Any, active: Policy
+    ) -> None:
+        log.engine_failed(
+            "transfer_failed", source=source, engine="Mooncake transfer engine", status=status,
+            layers=layers_in(self._safeview_memory, rows), regions=rows, policy=active.value,
+        )  # fmt: skip
+
+    def _read(self, call: str, rows: list[tuple[int, int]], status: Any, failed: bool) -> None:
+        """How a read of ``rows`` by ``call`` ended: the latest word on its bytes, it clears
+        earlier marks (failed or unconfirmed) and marks them failed if it failed."""
+        spans = set(rows)
+        self._safeview_failed_reads = [
+            f for f in self._safeview_failed_reads if (f[0], f[1]) not in spans
+        ]
+        for batch_id, (submitted, pending, reads) in list(self._safeview_batches.items()):
+            if reads and spans.intersection(pending):
+                kept = [span for span in pending if span not in spans]
+                self._safeview_batches[batch_id] = (submitted, kept, reads)
+        if failed:
+            self._safeview_failed_reads += [(a, n, call, status) for a, n in rows]
+
+    def _submitted(
+        self, source: str, rows: list[tuple[int, int]], reading: bool, batch_id: Any
+    ) -> None:
+        """After an asynchronous submit: 0 is a failure (judged as a failed transfer); any other
+        id is remembered, its outcome unknown until the engine reports it."""
+        active = self._active()
+        if active is Policy.OFF or _code(batch_id) is None:
+            return
+        if batch_id == 0:
+            self._failed(source, rows, batch_id, active)
+            if reading:
+                self._read(source, rows, batch_id, failed=True)
+        else:
+            batches = self._safeview_batches
+            batches.pop(int(batch_id), None)  # an id the engine handed out again: the newest
+            batches[int(batch_id)] = (source, rows, reading)
+            if len(batches) > _MAX_BATCHES:  # never asked about: the oldest is forgotten
+                del batches[next(iter(batches))]
+
+    def _reported(self, source: str, batch_ids: list[Any], status: Any) -> None:
+        """The engine reported, by ``source``, that ``batch_ids`` ended with ``status``: negative,
+        all of them failed (Mooncake does not say which); otherwise all succeeded."""
+        known = {b for b in (_code(b) for b in batch_ids) if b is not None}
+        batches = [
+            self._safeview_batches.pop(b) for b in sorted(known & set(self._safeview_batches))
+        ]
+        active = self._active()
+        if not batches or active is Policy.OFF:
+            return
+        code = _code(status)
+        failed = code is not None and code < 0
+        if failed:
+            self._failed(source, [row for _, rows, _ in batches for row in rows], status, active)
+        for call, rows, reads in batches:
+            if reads:
+                self._read(call, rows, status, failed)
+
+    def _status(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call the engine's ``name`` (a query of batches), then learn what it reported."""
+        result = getattr(self.engine, name)(*args, **kwargs)
+        code = _code(result)
+        try:
+            ids = _argument(args, kwargs, 0, "arg0")
+            if name == "get_batch_transfer_status":  # 0: all succeeded; negative: one failed
+                if code is not None and code <= 0:
+                    self._reported(f"mooncake.{name}", list(ids), result)
+            elif code:  # transfer_check_status: 1 succeeded, negative failed, 0 still running
+                self._reported(f"mooncake.{name}", [ids], result)
+        except Exception as error:  # safeview's own failure: the engine's result stands
+            log.internal_error(where=f"safeview.mooncake guard, mooncake.{name}", error=error)
+        return result
 
     def _transfer(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, batch: bool,
@@ -287,7 +395,15 @@ class GuardedEngine:
             rows = self._local_rows(args, kwargs, batch)
             self._depends(source, rows, reading, active)
         result = getattr(self.engine, name)(*args, **kwargs)
-        return self._outcome(source, rows, reading, result) if status and rows else result
+        if rows:
+            try:
+                if status:
+                    self._outcome(source, rows, reading, result)
+                else:
+                    self._submitted(source, rows, reading, result)
+            except Exception as error:  # safeview's own failure: the engine's result stands
+                log.internal_error(where=f"safeview.mooncake guard, {source}", error=error)
+        return result
 
     # -- the engine's methods, checked ----------------------------------------------------
 
@@ -326,6 +442,13 @@ class GuardedEngine:
 
     def batch_transfer_async(self, *args: Any, **kwargs: Any) -> Any:
         return self._transfer("batch_transfer_async", args, kwargs, batch=True, status=False)
+
+    # the outcome of asynchronous calls: the engine's answer reaches the caller unchanged
+    def get_batch_transfer_status(self, *args: Any, **kwargs: Any) -> Any:
+        return self._status("get_batch_transfer_status", args, kwargs)
+
+    def transfer_check_status(self, *args: Any, **kwargs: Any) -> Any:
+        return self._status("transfer_check_status", args, kwargs)
 
     def _registration(self, source: str, regions: list[Descriptor], status: Any) -> None:
         """After a registration: on success remember its regions; on a failure status, an event
