@@ -10,6 +10,7 @@ These run where vLLM is installed (``.venv-vllm``); elsewhere they skip, saying 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from types import SimpleNamespace
@@ -208,33 +209,69 @@ def test_describe_reads_vllms_own_views_for_every_layout(layout: str) -> None:
 
 
 def test_real_nixl_reads_agree_with_diff() -> None:
-    """vLLM's own handshake and READ on CPU (tests/vllm_nixl_layout_child.py, safeview's plugin
-    off so that vLLM moves the bytes as it would), TP 2 -> 4 and 4 -> 2 included: diff is
+    """vLLM's own handshake and READ on CPU (tests/vllm_layout_harness.py; safeview's plugin
+    under warn, so that vLLM moves the bytes as it would, and one folder for both engines' derived
+    manifests), TP 2 -> 4 and 4 -> 2 included: ``diff`` of the manifests the plugin wrote is
     compatible exactly where every byte arrived where each decode rank's own view reads it, and
-    names, per rank and layer, the first wrong byte."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    names, per rank and layer, the first wrong byte the READ delivered."""
+    import shutil
 
-    child = Path(__file__).parent / "vllm_nixl_layout_child.py"
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
-    environ.update(VLLM_TARGET_DEVICE="cpu", SAFEVIEW_VLLM="0")
-    result = subprocess.run(
-        [sys.executable, str(child)], env=environ, capture_output=True, text=True, timeout=900
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("SAFEVIEW-LAYOUT")]
-    assert lines, (result.stdout + result.stderr)[-4000:]
-    runs = {run["scenario"]: run for run in json.loads(lines[-1].split(" ", 1)[1])}
-    for name, run in runs.items():
-        assert "error" not in run, (name, run.get("error"))
-        assert run["transfer"]["done"], name
-        assert run["compatible"] == run["ok"], (name, run)
-        named = {where: byte for kind, where, byte, _ in run["findings"] if kind == "byte"}
-        wrong = {where: byte for where, byte in run["wrong"].items() if byte is not None}
-        assert named == wrong, name
-    valid = {"identical_lbhnc", "identical_lbnhc", "blocks_32_to_64", "tp2_to_tp4", "tp4_to_tp2"}
-    wrong_bytes = {"same_string_layer_1_nhd", "tp2_to_tp4_p_layer_1_nhd"}
-    assert set(runs) == valid | wrong_bytes
-    assert all(runs[name]["ok"] for name in valid)
-    assert not any(runs[name]["ok"] for name in wrong_bytes)
+    import vllm_layout_harness as layouts  # type: ignore[import-not-found,unused-ignore]
+
+    from safeview import diff
+    from safeview.manifest import Manifest
+
+    engine, pair = layouts.Engine, layouts.Pair
+    valid = {
+        "identical_lbhnc": pair("identical_lbhnc"),
+        "identical_lbnhc": pair("identical_lbnhc", p=engine("LBNHC"), d=engine("LBNHC")),
+        "blocks_32_to_64": pair("blocks_32_to_64", d=engine(block_size=64)),
+        "tp2_to_tp4": pair("tp2_to_tp4", p=engine(tp=2), d=engine(tp=4)),
+        "tp4_to_tp2": pair("tp4_to_tp2", p=engine(tp=4), d=engine(tp=2)),
+    }
+    wrong_bytes = {
+        # both report LBHNC; D reads its layer 1 token-major: vLLM cannot see it
+        "same_string_layer_1_nhd": pair("same_string_layer_1_nhd", fault="permuted_layer_on_d"),
+        # P's layer 1 token-major under LBHNC: each D rank's slice of P's page is cut by heads
+        "tp2_to_tp4_p_layer_1_nhd": pair(
+            "tp2_to_tp4_p_layer_1_nhd", p=engine(tp=2), d=engine(tp=4), fault="permuted_layer"
+        ),
+    }
+    pairs = [
+        dataclasses.replace(one, policy="warn", manifests="shared")
+        for one in (*valid.values(), *wrong_bytes.values())
+    ]
+    run = layouts.run(pairs)
+    try:
+        results = {result["pair"]["name"]: result for result in run.results}
+        assert set(results) == set(valid) | set(wrong_bytes)
+        for name, result in results.items():
+            assert result["error"] is None, (name, result["error"])
+            sides = {}
+            for side in ("P", "D"):
+                files = sorted(
+                    (path, text)
+                    for path, text in result["manifests"].items()
+                    if path.split("/")[0].endswith(f"-{side}")
+                )
+                assert files, (name, side, list(result["manifests"]))
+                sides[side] = [Manifest.model_validate(text) for _, text in files]
+            report = diff(sides["P"], sides["D"], rule="vllm_nixl")
+            ok = True
+            first_wrong = {}
+            for rank, read in enumerate(result["reads"]):
+                [outcome] = [v for k, v in read.items() if k.endswith("-P")]
+                assert outcome == {"done": True, "failed": False}, (name, rank, outcome)
+                ok = ok and read["oracle"]["ok"]
+                for layer, found in read["oracle"]["layers"].items():
+                    if found["first_wrong_byte"] is not None:
+                        first_wrong[f"{rank}:{layer}"] = found["first_wrong_byte"]
+            assert report.compatible == ok, (name, report.findings, first_wrong)
+            named = {
+                f"{f.receiver_rank}:{f.layer}": f.byte for f in report.findings if f.kind == "byte"
+            }
+            assert named == first_wrong, name
+            assert ok == (name in valid), name
+    finally:
+        for result in run.results:
+            shutil.rmtree(result["manifest_root"], ignore_errors=True)

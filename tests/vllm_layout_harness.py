@@ -93,9 +93,11 @@ class Engine:
 class Pair:
     """A P/D pair. ``manifests``: ``"shared"`` (both engines write to and read from one
     ``SAFEVIEW_MANIFEST_DIR``), ``"separate"`` (one folder each), ``None`` (unset).
-    ``fault``: ``None`` or ``"permuted_layer"`` (on P). ``policy``: safeview's, or ``None`` for
-    the environment's. ``peers``: also read from a second, healthy P engine (same layout as D)
-    in the same D worker, to show a refused peer does not hold up a healthy one."""
+    ``fault``: ``None``, ``"permuted_layer"`` (on P) or ``"permuted_layer_on_d"`` (the same
+    on D: D reads layer 1's bytes token-major under the same layout string). ``policy``:
+    safeview's, or ``None`` for the environment's. ``peers``: also read from a second, healthy
+    P engine (same layout as D) in the same D worker, to show a refused peer does not hold up a
+    healthy one."""
 
     name: str
     p: Engine = field(default_factory=Engine)
@@ -326,7 +328,9 @@ def _oracle(
     include it (ranks holding the same heads, replicated KV or MLA, hold the same bytes).
     Tokens: the request's token ``i * N_D + t`` is P's block
     ``remote_blocks[(i * N_D + t) // N_P]``, token ``(i * N_D + t) % N_P``. Every value is read
-    through the engine's own cache tensor, so through its own strides."""
+    through the engine's own cache tensor, so through its own strides. ``first_wrong_byte``:
+    the lowest byte of D's page in its first filled block that holds something else (the byte
+    ``safeview.diff`` must name), -1 when only later blocks are wrong, else None."""
     import torch
 
     heads_d, heads_p = d_engine.heads(), p.heads()
@@ -338,6 +342,7 @@ def _oracle(
         got_cache = d.kv_caches[name].view(torch.int16)
         total = wrong = 0
         first = None
+        lowest: int | None = None  # in D's first filled block's page, in bytes
         for i, local in enumerate(local_blocks):
             for h in range(heads_d):
                 g = d_engine.first_head(d_rank) + h
@@ -354,6 +359,11 @@ def _oracle(
                     differs = (got != meant).nonzero()
                     total += int(got.numel())
                     wrong += int(differs.numel())
+                    if i == 0 and differs.numel():
+                        _, s_head, s_token, s_element = got_cache.stride()
+                        at = h * s_head + t * s_token + int(differs[0, 0]) * s_element
+                        at *= got_cache.element_size()
+                        lowest = at if lowest is None else min(lowest, at)
                     if first is None and differs.numel():
                         element = int(differs[0, 0])
                         half = int(got.numel()) // 2
@@ -365,7 +375,10 @@ def _oracle(
                             "kv": "K" if element < half else "V",
                             "element": element % half,
                         }
-        layers[name] = {"elements": total, "wrong": wrong, "first_wrong": first}
+        byte = lowest if lowest is not None else (-1 if wrong else None)
+        layers[name] = {
+            "elements": total, "wrong": wrong, "first_wrong": first, "first_wrong_byte": byte,
+        }  # fmt: skip
     return {"layers": layers, "ok": all(v["wrong"] == 0 for v in layers.values())}
 
 
@@ -396,8 +409,10 @@ def _run_pair(child: Any, index: int, pair: Pair) -> dict[str, Any]:
     schedulers = []
     with capture_events() as events, base._policy(pair.policy):
         try:
-            p_sides = [_allocate(child, pair.p, p_id, r, pair.fault) for r in range(pair.p.tp)]
-            d_sides = [_allocate(child, pair.d, d_id, r, None) for r in range(pair.d.tp)]
+            p_fault = "permuted_layer" if pair.fault == "permuted_layer" else None
+            d_fault = "permuted_layer" if pair.fault == "permuted_layer_on_d" else None
+            p_sides = [_allocate(child, pair.p, p_id, r, p_fault) for r in range(pair.p.tp)]
+            d_sides = [_allocate(child, pair.d, d_id, r, d_fault) for r in range(pair.d.tp)]
             peer_sides: list[Any] = []
             peer = Engine(pair.d.layout, pair.d.tp, pair.d.block_size, pair.d.num_blocks,
                           pair.d.model)  # fmt: skip
