@@ -16,7 +16,7 @@ from typing import Any
 
 from safeview.errors import SafeViewError
 
-__all__ = ["add_diff_command", "run_diff"]
+__all__ = ["add_diff_command", "count", "run_diff"]
 
 COMPATIBLE, MISMATCH, UNUSABLE = 0, 1, 2
 
@@ -97,7 +97,8 @@ def run_diff(args: argparse.Namespace) -> int:
     return code
 
 
-def _count(value: str) -> int:
+def count(value: str) -> int:
+    """An argument that counts (0 or more): ``--max-findings``, ``--max-violations``."""
     try:
         number = int(value)
     except ValueError:
@@ -133,6 +134,6 @@ def add_diff_command(commands: Any) -> None:
     shown.add_argument("--json", action="store_true", help="print one JSON document")
     shown.add_argument("-q", "--quiet", action="store_true", help="print nothing; exit status")
     parser.add_argument(
-        "--max-findings", type=_count, default=20, metavar="N", help="show at most N findings"
+        "--max-findings", type=count, default=20, metavar="N", help="show at most N findings"
     )
     parser.set_defaults(run=run_diff)

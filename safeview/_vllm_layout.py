@@ -230,10 +230,14 @@ def write_manifest(manifest: Manifest | Derived, folder: Path) -> Path:
     path = target / manifest.file_name()
     partial = f"{target}/.{path.name}.{os.getpid()}.{threading.get_ident()}.partial"
     # compact: half the cost of an indented one, on the registration's path
-    text = manifest.to_json(indent=None).encode()
+    text = memoryview(manifest.to_json(indent=None).encode())
     handle = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(handle, text)
+        while text:  # a short write (a disk filling up) goes on until it raises
+            text = text[os.write(handle, text) :]
+    except BaseException:
+        os.unlink(partial)  # nothing half-written left behind
+        raise
     finally:
         os.close(handle)
     # A rename over an existing file makes ext4 (auto_da_alloc) write the new file's blocks

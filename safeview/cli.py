@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from safeview import __version__
-from safeview._cli_diff import add_diff_command
+from safeview._cli_diff import add_diff_command, count
 from safeview.check import Report
 from safeview.errors import ConfigError, SafeViewError
 from safeview.findings import KINDS, Finding
@@ -470,16 +470,6 @@ def schema(args: argparse.Namespace) -> int:
     return CLEAN
 
 
-def _max_violations(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected a count (0 or more), got {value!r}")
-    return number
-
-
 def _parser() -> _Parser:
     parser = _Parser(
         prog="safeview", description="Check KV-cache layout plans without touching a tensor."
@@ -511,7 +501,7 @@ def _parser() -> _Parser:
     )
     checking.add_argument(
         "--max-violations",
-        type=_max_violations,
+        type=count,
         default=3,
         metavar="N",
         help="name at most N violations of each kind (default 3)",

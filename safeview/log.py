@@ -395,74 +395,43 @@ def registration_checked(report: Report, *, policy: str, layers: int, source: st
     _emit(logging.INFO, fields)
 
 
-def layout_checked(
-    *,
-    engine: str | None,
-    tp_rank: int,
-    tp_size: int,
-    remote_engine: str,
-    remote_tp_size: int | None,
-    when: str,
-    policy: str,
-    fingerprint: str,
-    against: str | None,
-    manifests: Sequence[str],
-    reason: str | None,
-    verdict: Literal["compatible", "not_judged"],
-    remote_fingerprints: Sequence[str] = (),
-    layers: int = 0,
-    findings: int = 0,
-) -> None:
+#: what every layout event says of the pair, in the event table's order (``WorkerLayout``'s
+#: fields, then the judgement's own)
+_PAIR_KEYS = (
+    "engine", "tp_rank", "tp_size", "remote_engine", "remote_tp_size", "when", "policy",
+    "fingerprint", "against", "manifests", "reason", "remote_fingerprints", "layers", "findings",
+)  # fmt: skip
+
+
+def _pair(fields: dict[str, Any]) -> dict[str, Any]:
+    """The pair's fields in table order (sequences as lists); a missing or unknown one is
+    safeview's own bug, a ``TypeError`` naming it."""
+    fields.setdefault("remote_fingerprints", ())
+    fields.setdefault("layers", 0)
+    fields.setdefault("findings", 0)
+    if set(fields) != set(_PAIR_KEYS):
+        wrong = sorted(set(fields) ^ set(_PAIR_KEYS))
+        raise TypeError(f"a layout event's pair fields are not {_PAIR_KEYS}: {wrong}")
+    pair = {key: fields[key] for key in _PAIR_KEYS}
+    for key in ("manifests", "remote_fingerprints"):
+        pair[key] = list(pair[key])
+    return pair
+
+
+def layout_checked(*, verdict: Literal["compatible", "not_judged"], **fields: Any) -> None:
     """``layout_checked`` (INFO): the vLLM plugin judged whether a decode worker reads a prefill
     engine's KV-cache bytes as that engine meant them (``safeview._vllm_layout``), and found
-    them compatible, or left the pair to vLLM (``not_judged``, with the reason)."""
-    if not stdlib_logger.isEnabledFor(logging.INFO):
-        return
-    _emit(
-        logging.INFO,
-        {
-            "event": "layout_checked",
-            "engine": engine,
-            "tp_rank": tp_rank,
-            "tp_size": tp_size,
-            "remote_engine": remote_engine,
-            "remote_tp_size": remote_tp_size,
-            "when": when,
-            "policy": policy,
-            "fingerprint": fingerprint,
-            "against": against,
-            "manifests": list(manifests),
-            "reason": reason,
-            "remote_fingerprints": list(remote_fingerprints),
-            "layers": layers,
-            "findings": findings,
-            "verdict": verdict,
-        },
-    )
+    them compatible, or left the pair to vLLM (``not_judged``, with the reason). ``fields``:
+    ``_PAIR_KEYS`` (``remote_fingerprints``, ``layers`` and ``findings`` may be left out)."""
+    if stdlib_logger.isEnabledFor(logging.INFO):
+        pair = _pair(fields)
+        _emit(logging.INFO, {"event": "layout_checked", **pair, "verdict": verdict})
 
 
-def layout_mismatch(
-    finding: Any,
-    *,
-    strict: bool,
-    refused: bool,
-    engine: str | None,
-    tp_rank: int,
-    tp_size: int,
-    remote_engine: str,
-    remote_tp_size: int | None,
-    when: str,
-    policy: str,
-    fingerprint: str,
-    against: str | None,
-    manifests: Sequence[str],
-    reason: str | None,
-    remote_fingerprints: Sequence[str],
-    layers: int,
-    findings: int,
-) -> None:
+def layout_mismatch(finding: Any, *, strict: bool, refused: bool, **fields: Any) -> None:
     """``layout_mismatch`` (ERROR under strict, WARNING under warn): the two engines of a pair
-    read a byte differently; ``finding`` is the first diff ``Finding``."""
+    read a byte differently; ``finding`` is the first diff ``Finding``; ``fields`` as for
+    ``layout_checked``."""
     level = _levels(strict)
     if not stdlib_logger.isEnabledFor(level):
         return
@@ -471,20 +440,7 @@ def layout_mismatch(
         level,
         {
             "event": "layout_mismatch",
-            "engine": engine,
-            "tp_rank": tp_rank,
-            "tp_size": tp_size,
-            "remote_engine": remote_engine,
-            "remote_tp_size": remote_tp_size,
-            "when": when,
-            "policy": policy,
-            "fingerprint": fingerprint,
-            "against": against,
-            "manifests": list(manifests),
-            "reason": reason,
-            "remote_fingerprints": list(remote_fingerprints),
-            "layers": layers,
-            "findings": findings,
+            **_pair(fields),
             "verdict": "mismatch",
             "kind": finding.kind,
             "layer": finding.layer,

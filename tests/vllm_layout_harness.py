@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,42 +107,15 @@ class Pair:
     healthy_peer: bool = False
 
 
-@dataclass
-class Run:
-    results: list[dict[str, Any]]
-    output: str
-    returncode: int
-    seconds: float
+Run = base.Run
 
 
 def run(
     pairs: Sequence[Pair], *, env: Mapping[str, str] | None = None, timeout_s: float = 900
 ) -> Run:
     """Run ``pairs`` in one fresh process of this interpreter; one result dict per pair."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
-    environ.update(env or {})
-    environ["VLLM_TARGET_DEVICE"] = "cpu"
-    environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent), environ.get("PYTHONPATH", "")]
-    )
-    payload = json.dumps([_pair_json(pair) for pair in pairs])
-    started = time.perf_counter()
-    child = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), payload],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    seconds = time.perf_counter() - started
-    output = child.stdout + child.stderr
-    lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if not lines:
-        raise RuntimeError(
-            f"the layout harness printed no results (exit status {child.returncode}):\n"
-            + output[-8000:]
-        )
-    return Run(json.loads(lines[-1][len(RESULT_PREFIX) :]), output, child.returncode, seconds)
+    payload = [_pair_json(pair) for pair in pairs]
+    return base.spawn(Path(__file__), payload, RESULT_PREFIX, env=env, timeout_s=timeout_s)
 
 
 def _pair_json(pair: Pair) -> dict[str, Any]:

@@ -187,13 +187,31 @@ def run(
     ``VLLM_TARGET_DEVICE=cpu`` is always set. Raises ``RuntimeError`` with the tail of the output
     when the child prints no results.
     """
+    payload = [asdict(scenario) for scenario in scenarios]
+    return spawn(Path(__file__), payload, RESULT_PREFIX, env=env, timeout_s=timeout_s)
+
+
+def spawn(
+    script: Path,
+    payload: Any,
+    prefix: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float,
+) -> Run:
+    """Run ``script`` with ``payload`` (as JSON, its one argument) in a fresh process of this
+    interpreter, on vLLM's CPU platform, without any ``SAFEVIEW_*`` variable of this process
+    (plus ``env``), this folder on its path; its results are the JSON after ``prefix`` on the
+    last line that starts with it."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
     environ.update(env or {})
     environ["VLLM_TARGET_DEVICE"] = "cpu"
-    payload = json.dumps([asdict(scenario) for scenario in scenarios])
+    environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent), environ.get("PYTHONPATH", "")]
+    )
     started = time.perf_counter()
     child = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), payload],
+        [sys.executable, str(script.resolve()), json.dumps(payload)],
         env=environ,
         capture_output=True,
         text=True,
@@ -201,14 +219,12 @@ def run(
     )
     seconds = time.perf_counter() - started
     output = child.stdout + child.stderr
-    lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    lines = [line for line in child.stdout.splitlines() if line.startswith(prefix)]
     if not lines:
         raise RuntimeError(
-            f"the NIXL harness printed no results (exit status {child.returncode}):\n"
-            + output[-6000:]
+            f"{script.name} printed no results (exit status {child.returncode}):\n" + output[-8000:]
         )
-    results = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    return Run(results, output, child.returncode, seconds)
+    return Run(json.loads(lines[-1][len(prefix) :]), output, child.returncode, seconds)
 
 
 # --------------------------------------------------------------------------------------------
