@@ -39,7 +39,8 @@ class OffloadingConnector:
             groups=self.groups,
         )
         self.tensors_per_block = registration.tensors_per_block
-        plan = Path(tempfile.gettempdir()) / "safeview_live_registration.json"
+        # a folder of this run's own, kept for `safeview check`: two users never share a file name
+        plan = Path(tempfile.mkdtemp(prefix="safeview-")) / "live_registration.json"
         registration.to_plan(plan, description="captured by examples/guarded_connector.py")
         print(f"  registered {len(self.tensors_per_block)} layers; plan saved to {plan}")
 

@@ -63,7 +63,8 @@ def main() -> int:
         Worker(PAGE).register_kv_caches(caches)
     for view in seen.views:
         print(f"  {view.op} at {view.site}: bytes [{view.byte_offset}, {view.extent_bytes})")
-    plan = Path(tempfile.gettempdir()) / "safeview_sanitized_worker.json"
+    # a folder of this run's own, kept for `safeview check`: two users never share a file name
+    plan = Path(tempfile.mkdtemp(prefix="safeview-")) / "sanitized_worker.json"
     seen.to_plan(plan, description="recorded by examples/sanitized_worker.py")
     verdict = "clean" if seen.report().ok else "broken"
     print(f"  the views together: {verdict}; saved for `safeview check {plan}`")

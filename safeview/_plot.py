@@ -185,9 +185,12 @@ class _Panel:
             return [self._row_of(facts, index) for index in self.members]
         rows = []
         listed = list(self.groups.items())
+        # the views with a violation have rows of their own below: the gaps they leave in a
+        # group's row are theirs, and the label says the row holds the others
+        noun = "other view" if self.flagged else "view"
         for group, members in listed[:GROUP_LIMIT]:
             rows.append(
-                _Row(f"{_group_label(group)}: {_plural(len(members), 'view')}",
+                _Row(f"{_group_label(group)}: {_plural(len(members), noun)}",
                      facts.colour_of[group], members)
             )  # fmt: skip
         if len(listed) > GROUP_LIMIT:

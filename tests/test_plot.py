@@ -95,13 +95,13 @@ def test_a_view_past_the_end_of_a_packed_storage_gets_a_panel_of_that_end() -> N
 def test_past_120_views_the_rows_with_a_violation_name_the_culprits() -> None:
     # DeepSeek-V3.2's 122 views: a summary, and the two layers that share bytes by name
     [rows] = _labels(_load("broken_aliasing.json"))
-    assert rows == ["group 0: 120 views", "model.layers.6.self_attn", "model.layers.7.self_attn"]
+    assert rows == ["group 0: 120 other views", "model.layers.6.self_attn", "model.layers.7.self_attn"]
 
 
 def test_past_the_named_limit_the_culprits_are_counted_by_kind() -> None:
     plan = _many_views(ROW_LIMIT + 30, broken=NAMED_LIMIT + 7)
     [(_, rows), (_, end_rows)] = layout(plan, plan.check()).panels
-    assert rows[0].label == f"group 0: {ROW_LIMIT + 30 - NAMED_LIMIT - 7} views"
+    assert rows[0].label == f"group 0: {ROW_LIMIT + 30 - NAMED_LIMIT - 7} other views"
     assert [row.label for row in rows[1:-1]] == [f"layer.{i}" for i in range(NAMED_LIMIT)]
     assert all(row.note == "out_of_bounds" for row in rows[1:-1])
     assert (rows[-1].label, rows[-1].note) == ("7 more with a violation", "out_of_bounds x7")
