@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 import big_plans
-from reference_sweep import reference_findings
+from reference_sweep import extent, project, reference_findings
 
 
 def _touched(view: ViewRecord) -> set[int]:
@@ -183,7 +183,7 @@ def test_a_dlpack_alias_is_another_storage_over_the_same_memory_and_is_compared(
     assert (finding.kind, finding.views, finding.byte) == ("overlap", ("a", "b"), 256)
 
 
-# -- the faster checker finds exactly what 0.2.0 found (tests/reference_sweep.py) ---------------
+# -- the checker finds exactly what the page-by-page oracle finds (tests/reference_sweep.py) -----
 
 FAMILIES = [(16,), (8, 16, 32), (12, 24, 48), (4, 8, 64), (6, 10, 15), (7, 11), (5, 320)]
 
@@ -197,9 +197,11 @@ def _random_view(
     if kind < 0.12:  # a typed view, not a block view: split into runs by _arith.blocks
         itemsize = rng.choice([2, 4])
         inner = rng.randint(1, 4)
+        # an outer stride below the row (0 included) makes a view that overlaps itself
+        outer = rng.randint(inner, inner + 6) if rng.random() < 0.8 else rng.randint(0, inner)
         return ViewRecord(
             name, storage, itemsize * rng.randint(0, 60), (rng.randint(0, 4), inner),
-            (rng.randint(inner, inner + 6), 1), itemsize, group, region, "float16",
+            (outer, 1), itemsize, group, region, "float16",
         )  # fmt: skip
     stride = rng.choice(family)
     if kind < 0.3:  # contiguous: back-to-back pages, or a single one
@@ -233,18 +235,93 @@ def _random_plan(rng: random.Random) -> tuple[dict[str, int | StorageRecord], li
     return storages, views
 
 
-def test_checker_finds_what_0_2_0_found_on_random_plans() -> None:
+def test_checker_finds_what_the_page_by_page_oracle_finds_on_random_plans() -> None:
     rng = random.Random(20261214)
-    overlapping = 0
+    overlapping, typed_extent, typed_self = 0, 0, 0
     for _ in range(3_000):
         storages, views = _random_plan(rng)
         expected = reference_findings(storages, views)
-        assert list(check_views(storages, views).findings) == expected, (storages, views)
-        overlapping += any(f.kind == "overlap" for f in expected)
+        found = check_views(storages, views).findings
+        assert [project(f) for f in found] == expected, (storages, views)
+        overlapping += any(f[0] == "overlap" for f in expected)
+        typed = {v.name for v in views if v.dtype is not None}
+        typed_extent += any(f[0] == "out_of_bounds" and f[1][0] in typed for f in expected)
+        typed_self += any(f[0] == "self_overlap" and f[1][0] in typed for f in expected)
     assert 600 < overlapping < 2_900  # both answers are exercised
+    # typed views (extent and self-overlap from safeview._arith, not the block fast path) are
+    # judged too, in bounds and past them, clean and overlapping themselves
+    assert typed_extent > 100, typed_extent
+    assert typed_self > 100, typed_self
 
 
-def test_checker_finds_what_0_2_0_found_on_every_shipped_plan() -> None:
+def test_the_oracle_agrees_with_numpy_and_torch_on_real_views() -> None:
+    """The oracle itself, against the libraries that own the rules: numpy's byte bounds and exact
+    shares_memory on real views of one bytearray, and torch's own as_strided bound check."""
+    rng = random.Random(20261216)
+    itemsizes = {2: torch.int16, 4: torch.int32}
+    checked = {"extent": 0, "past": 0, "self": 0, "pairs": 0}
+    for _ in range(300):
+        family = rng.choice(FAMILIES)
+        views = [
+            _random_view(rng, f"v{i}", "kv", family)._replace(group=None, region=None)
+            for i in range(rng.randint(2, 12))
+        ]
+        nbytes = 4 * rng.randint(0, 150)
+        expected = reference_findings({"kv": nbytes}, views)
+        buffer = bytearray(4_096)
+        base = np.frombuffer(buffer, np.uint8)
+        arrays = {}
+        for view in views:
+            shape = (*view.shape, view.itemsize)
+            strides = (*(s * view.itemsize for s in view.strides), 1)
+            array = np.ndarray(shape, np.uint8, buffer=buffer, offset=view.byte_offset,
+                               strides=strides)  # fmt: skip
+            _, high = np.lib.array_utils.byte_bounds(array)
+            start = base.__array_interface__["data"][0]
+            if array.size:
+                assert extent(view) == high - start, view
+                arrays[view.name] = array
+                checked["extent"] += 1
+                # torch refuses exactly the views that need a byte past the storage's end
+                storage = torch.zeros(nbytes, dtype=torch.int8)
+                if view.itemsize > 1:
+                    storage = storage.view(itemsizes[view.itemsize])
+                past = any(f[:2] == ("out_of_bounds", (view.name,)) for f in expected)
+                try:
+                    torch.as_strided(storage, view.shape, view.strides,
+                                     view.byte_offset // view.itemsize)  # fmt: skip
+                    assert not past, view
+                except RuntimeError as error:
+                    assert "out of bounds" in str(error), error
+                    assert past, view
+                    checked["past"] += 1
+            touched = np.zeros(len(buffer), np.int64)
+            np.add.at(touched, _addresses(array, start), 1)
+            twice = any(f[:2] == ("self_overlap", (view.name,)) for f in expected)
+            assert twice == bool((touched > 1).any()), view
+            checked["self"] += twice
+        broken = {f[1][0] for f in expected if f[0] == "self_overlap"}
+        pairs = {f[1] for f in expected if f[0] == "overlap"}
+        for i, first in enumerate(views):
+            for second in views[i + 1 :]:
+                if {first.name, second.name} & broken or not (
+                    first.name in arrays and second.name in arrays
+                ):
+                    continue
+                shares = np.shares_memory(arrays[first.name], arrays[second.name], max_work=-1)
+                assert shares == ((first.name, second.name) in pairs), (first, second)
+                checked["pairs"] += shares
+    assert min(checked.values()) > 50, checked
+
+
+def _addresses(array: np.ndarray, start: int) -> np.ndarray:
+    """The offset from ``start`` of every byte of a uint8 view, one per element."""
+    index = np.indices(array.shape).reshape(array.ndim, -1)
+    offset = array.__array_interface__["data"][0] - start
+    return offset + sum(i * s for i, s in zip(index, array.strides))
+
+
+def test_checker_finds_what_the_page_by_page_oracle_finds_on_every_shipped_plan() -> None:
     paths = sorted((Path(__file__).parent.parent / "examples" / "plans").glob("*.json"))
     assert len(paths) >= 7
     plans = [Plan.load(path) for path in paths]
@@ -256,7 +333,7 @@ def test_checker_finds_what_0_2_0_found_on_every_shipped_plan() -> None:
         plans.append(Plan.model_validate(big))
     for plan in plans:
         expected = reference_findings(plan.sizes(), plan.records())
-        assert list(plan.check().findings) == expected, plan.description
+        assert [project(f) for f in plan.check().findings] == expected, plan.description
     # the broken one: a view past the end, two pairs in groups, two contiguous views on one page,
     # and a contiguous view on bytes 100..4195, which 2 x 2,900 grouped views hold a byte of
     assert [len(plan.check().findings) for plan in plans[-3:]] == [0, 0, 1 + 2 + 1 + 5_800]
@@ -312,7 +389,7 @@ def test_views_of_two_groups_are_each_judged_with_the_views_of_none() -> None:
         (("g1.3", "loose"), 120),
         (("loose", "spare"), 130),
     ]
-    assert found == [(f.views, f.byte) for f in reference_findings({"kv": 256}, views)]
+    assert found == [(f[1], f[8]) for f in reference_findings({"kv": 256}, views)]
 
 
 def test_places_within_the_period_that_never_meet_prove_a_plan_clean_whatever_its_blocks() -> None:
@@ -334,7 +411,7 @@ def test_places_within_the_period_that_never_meet_prove_a_plan_clean_whatever_it
                              byte_offset=124)  # fmt: skip
     [finding] = check_views({"kv": 1_000}, [*views, spill]).findings
     assert (finding.views, finding.byte) == (("v1", "spill"), 138)
-    assert [finding] == reference_findings({"kv": 1_000}, [*views, spill])
+    assert [project(finding)] == reference_findings({"kv": 1_000}, [*views, spill])
 
 
 def test_a_broken_plan_sweeps_only_the_views_that_may_be_at_fault() -> None:

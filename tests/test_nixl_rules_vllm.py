@@ -23,14 +23,17 @@ if os.environ.get("SAFEVIEW_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/run tests against it")
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import (  # type: ignore[import-not-found,unused-ignore]
+    EngineTransferInfo,
     TransferTopology,
     kv_postprocess_blksize_on_receive,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (  # type: ignore[import-not-found,unused-ignore]
     NixlBaseConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # type: ignore[import-not-found,unused-ignore]
+    NixlAgentMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (  # type: ignore[import-not-found,unused-ignore]
     compute_tp_mapping,
@@ -47,8 +50,9 @@ HEAD_BYTES = 2 * 64 * 2  # K|V of 64 fp16 elements, per token and head
 
 def grid() -> list[tuple[int, int, int, int, int, bool]]:
     cases = []
+    # TP 3 against powers of two and 8 block tokens against 16: pairs vLLM refuses outright
     for p_tp, d_tp, heads, p_n, d_n, mla in itertools.product(
-        (1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8), (16,), (16, 32), (False, True)
+        (1, 2, 3, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8), (16,), (8, 16, 32), (False, True)
     ):
         if mla and heads != 1:
             continue
@@ -129,10 +133,82 @@ def vllm_rows(
     return pieces, reads, sources
 
 
+def vllm_refusal(
+    rank: int, p_tp: int, d_tp: int, heads: int, p_n: int, d_n: int, mla: bool
+) -> str | None:
+    """Why vLLM refuses this pair, in its own words, or ``None``: its handshake check
+    (``_validate_remote_agent_handshake``, on a stand-in worker holding the fields it reads, P's
+    metadata as P would send it), then the row builders (``vllm_rows``), which assert on what the
+    handshake lets through but they cannot serve."""
+    topo = topology(rank, d_tp, d_n, heads, mla)
+    local_len = page(d_n, heads, d_tp, mla)
+    remote_len = page(p_n, heads, p_tp, mla)
+    spec = MLAAttentionSpec if mla else FullAttentionSpec
+    worker: Any = SimpleNamespace(
+        transfer_topo=topo,
+        dcp_size=1,
+        _has_mamba=False,
+        use_mla=mla,
+        _head_sharded_draft_regions=set(),
+        _head_sharded_draft_kv_heads=None,
+        region_group_ids=[0],
+        dst_region_group_ids={"prefill": [0]},
+        _physical_blocks_per_logical_kv_block=1,
+        use_host_buffer=False,
+        kv_cache_layout="LBHNC",
+        host_buffer_kv_cache_layout="LBHNC",
+        kv_transfer_config=SimpleNamespace(enable_permute_local_kv=False),
+        enable_permute_local_kv=False,
+        backend_name="FLASH_ATTN",
+        _is_hma_required=False,
+        _layer_specs={},
+        _transfer_layer_region_indices=[],
+        block_len_per_layer=[local_len],
+        _group_spec_types=(spec,),
+        _region_is_mla=[mla],
+        dst_num_blocks={"prefill": 8},
+        _transfer_layer_names=[],
+        region_names=["model.layers.0.attn"],
+    )
+    worker._is_region_replicated = NixlBaseConnectorWorker._is_region_replicated.__get__(worker)
+    meta = NixlAgentMetadata(
+        engine_id="prefill",
+        agent_metadata=b"",
+        kv_caches_base_addr=[0],
+        device_id=0,
+        num_blocks=8,
+        block_lens=[remote_len],
+        block_strides=[remote_len],
+        kv_cache_layout="LBHNC",
+        block_size=p_n,
+        ssm_sizes=(0, 0),
+        attn_backend_name="FLASH_ATTN",
+        physical_blocks_per_logical_kv_block=1,
+        region_names=["model.layers.0.attn"],
+    )
+    try:
+        topo.register_remote_engine(
+            "prefill",
+            EngineTransferInfo(
+                remote_tp_size=p_tp,
+                remote_block_len=remote_len,
+                remote_block_size=p_n,
+                remote_physical_blocks_per_logical=1,
+            ),
+        )
+        NixlBaseConnectorWorker._validate_remote_agent_handshake(worker, meta, p_tp)
+        vllm_rows(rank, p_tp, d_tp, heads, p_n, d_n, mla)
+    except (AssertionError, RuntimeError, NotImplementedError) as refused:
+        return f"{type(refused).__name__}: {refused}"
+    return None
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp", "heads", "p_n", "d_n", "mla"), grid())
 def test_every_rank_reads_what_vllm_reads(
     p_tp: int, d_tp: int, heads: int, p_n: int, d_n: int, mla: bool
 ) -> None:
+    """safeview refuses a pair exactly where vLLM's own handshake or row builders refuse it, and
+    where both accept, reads the bytes vLLM's rows read."""
     for rank in range(d_tp):
         plan = _nixl_rules.plan_layer(
             tp_rank=rank,
@@ -146,8 +222,10 @@ def test_every_rank_reads_what_vllm_reads(
             replicated=mla,
             block_contiguous=True,
         )
-        if plan.refused is not None:
-            continue  # what vLLM refuses is pinned by tests/test_diff.py's oracle
+        refusal = vllm_refusal(rank, p_tp, d_tp, heads, p_n, d_n, mla)
+        assert (plan.refused is None) == (refusal is None), (rank, plan.refused, refusal)
+        if refusal is not None:
+            continue
         pieces, reads, sources = vllm_rows(rank, p_tp, d_tp, heads, p_n, d_n, mla)
         assert [(p.receiver_start, p.length) for p in plan.pieces] == pieces
         assert {(p.sender_start, p.length) for p in plan.pieces} == set(reads)
@@ -155,18 +233,56 @@ def test_every_rank_reads_what_vllm_reads(
 
 
 @pytest.mark.parametrize("ratio", [2, 4])
-def test_receive_reorder_is_vllms(ratio: int) -> None:
-    heads, tokens, row = 2, 8, 4  # row: bytes of one token of one head
-    page_bytes = heads * tokens * row
-    cache = torch.arange(3 * page_bytes, dtype=torch.int32).view(3, heads, tokens, row)
-    before = cache.clone().view(3, -1)
-    kv_postprocess_blksize_on_receive(cache, torch.arange(3), ratio)
-    k = np.arange(page_bytes)
-    head, rest = np.divmod(k, tokens * row)
-    token, column = np.divmod(rest, row)
-    j, t = np.divmod(token, tokens // ratio)
-    pre = ((j * heads + head) * (tokens // ratio) + t) * row + column
-    assert torch.equal(cache.view(3, -1), before[:, torch.from_numpy(pre)])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_receive_reorder_is_vllms(ratio: int, heads: int) -> None:
+    """vLLM's own reorder (``kv_postprocess_blksize_on_receive``) on real bytes against
+    safeview's own model of it (``_nixl_rules.plan_layer``'s pieces and ``permute``, applied by
+    ``safeview.diff``): P's HND blocks of ``N_P`` tokens hold values that say (block, head,
+    token, element); D's blocks hold ``ratio * N_P`` tokens. After the copy and vLLM's reorder
+    every D byte holds what D's own layout says it holds, and diff, which models the same move,
+    finds D compatible. With two heads the bytes are wrong without the reorder, so a model that
+    forgot it, or permuted otherwise, would find a mismatch."""
+    import safeview
+    from safeview.manifest import vllm_axes
+
+    p_n, width, blocks = 4, 4, 3  # width: int32 elements per token and head (K|V)
+    d_n = ratio * p_n
+    sender = torch.zeros(blocks * ratio, heads, p_n, width, dtype=torch.int32)
+    for b, h, t, c in itertools.product(*(range(n) for n in sender.shape)):
+        sender[b, h, t, c] = ((b * p_n + t) * 16 + h) * 16 + c + 1  # global token, head, element
+    receiver = torch.zeros(blocks, heads, d_n, width, dtype=torch.int32)
+    want = torch.zeros_like(receiver)
+    for b, h, t, c in itertools.product(*(range(n) for n in receiver.shape)):
+        want[b, h, t, c] = ((b * d_n + t) * 16 + h) * 16 + c + 1
+    page_bytes = receiver[0].numel() * 4
+    plan = _nixl_rules.plan_layer(
+        tp_rank=0, tp_size=1, remote_tp_size=1, total_kv_heads=heads, block_tokens=d_n,
+        remote_block_tokens=p_n, page_bytes=page_bytes, remote_page_bytes=sender[0].numel() * 4,
+        replicated=False, block_contiguous=True,
+    )  # fmt: skip
+    assert plan.refused is None
+    assert (plan.ratio, plan.permute) == (ratio, True)
+    sent = sender.view(-1).view(torch.uint8).view(blocks * ratio, -1)
+    got = receiver.view(-1).view(torch.uint8).view(blocks, -1)
+    for b, piece in itertools.product(range(blocks), plan.pieces):
+        source = sent[ratio * b + piece.sub_block]
+        got[b, piece.receiver_start : piece.receiver_start + piece.length] = source[
+            piece.sender_start : piece.sender_start + piece.length
+        ]
+    unpermuted = receiver.clone()
+    kv_postprocess_blksize_on_receive(receiver, torch.arange(blocks), ratio)
+    assert torch.equal(receiver, want)
+    # with two heads the reorder is needed (the test can tell); with one it moves nothing
+    assert torch.equal(unpermuted, want) == (heads == 1)
+    axes = vllm_axes("attention")
+    report = safeview.diff(
+        safeview.describe({"l": sender}, axes=axes, topology={"tp_rank": 0, "tp_size": 1,
+                          "total_kv_heads": heads, "layout": "LBHNC"}),
+        safeview.describe({"l": receiver}, axes=axes, topology={"tp_rank": 0, "tp_size": 1,
+                          "total_kv_heads": heads, "layout": "LBHNC"}),
+        rule="vllm_nixl",
+    )  # fmt: skip
+    assert report.compatible, [f.message for f in report.findings]
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
