@@ -1,4 +1,6 @@
-"""What the start-up hook runs when ``SAFEVIEW_GUARD`` is set: standard library only.
+"""What the start-up hook runs when ``SAFEVIEW_GUARD`` is set: nothing a bare ``python -c pass``
+has not loaded already (``os`` and ``sys``), so that it costs a spawned process well under 3 ms
+(``benchmarks/bench_startup.py``; ``tests/test_startup.py`` holds it to its imports).
 
 ``safeview-guard.pth`` (installed into site-packages with the package) loads this file in every
 interpreter whose environment sets ``SAFEVIEW_GUARD``, without importing the ``safeview`` package
@@ -12,15 +14,20 @@ When ``SAFEVIEW_GUARD`` is unset or empty, the ``.pth`` line reads one environme
 imports nothing.
 """
 
-from __future__ import annotations
-
-import contextlib
+# Imports: ``os`` and ``sys`` only, which every interpreter has loaded before it reads a ``.pth``.
+# Every process a guarded server spawns runs this file, so it must not load ``typing``, ``re``,
+# ``enum``, ``contextlib`` or ``importlib.util`` (9 to 13 ms of start-up in 0.4.1): the types
+# below exist for mypy only, and the annotations are strings (no ``from __future__ import
+# annotations`` either: that line imports the ``__future__`` module).
 import os
 import sys
-from collections.abc import Callable, Sequence
-from importlib.machinery import ModuleSpec
-from types import ModuleType
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; mypy reads the name
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+    from typing import Any
 
 ENV_GUARD = "SAFEVIEW_GUARD"
 POLICIES = ("strict", "warn", "off")
@@ -43,27 +50,34 @@ def resolve(raw: str | None, *, report: bool = True) -> str | None:
     if value in POLICIES:
         return value
     if report:
-        # no usable standard error: stay silent rather than fail to start
-        with contextlib.suppress(Exception):
-            sys.stderr.write(
-                f"safeview: {ENV_GUARD}={raw!r} is not a valid value; allowed values: "
-                f"{', '.join(POLICIES)}; this process runs unguarded\n"
-            )
+        _say(
+            f"safeview: {ENV_GUARD}={raw!r} is not a valid value; allowed values: "
+            f"{', '.join(POLICIES)}; this process runs unguarded\n"
+        )
     return None
+
+
+def _say(line: str) -> None:
+    """One line on standard error; with no usable standard error, silence rather than a failure
+    to start."""
+    try:  # noqa: SIM105 (contextlib is not loaded at start-up; importing it costs)
+        sys.stderr.write(line)
+    except Exception:
+        pass
 
 
 class _Loader:
     """Runs a watched module's own loader, then hands the module to the guard."""
 
-    def __init__(self, inner: Any, name: str) -> None:
+    def __init__(self, inner: "Any", name: str) -> None:
         self.inner = inner
         self.name = name
 
-    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: "ModuleSpec") -> "ModuleType | None":
         create = getattr(self.inner, "create_module", None)
         return create(spec) if create is not None else None
 
-    def exec_module(self, module: ModuleType) -> None:
+    def exec_module(self, module: "ModuleType") -> None:
         try:
             self.inner.exec_module(module)
         finally:
@@ -75,7 +89,7 @@ class _Loader:
                 module.__loader__ = self.inner
         _imported(self.name, module)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> "Any":
         return getattr(self.inner, name)
 
 
@@ -83,14 +97,16 @@ class Finder:
     """A ``sys.meta_path`` entry that finds nothing itself: for the watched module names it asks
     the rest of ``sys.meta_path`` for the spec and wraps its loader (``_Loader``)."""
 
-    def __init__(self, watched: Sequence[str], on_import: Callable[[str, ModuleType], None]):
+    def __init__(
+        self, watched: "Sequence[str]", on_import: "Callable[[str, ModuleType], None]"
+    ) -> None:
         self.watched = frozenset(watched)
         self.on_import = on_import
         self._busy: set[str] = set()
 
     def find_spec(
-        self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
-    ) -> ModuleSpec | None:
+        self, name: str, path: "Sequence[str] | None" = None, target: "ModuleType | None" = None
+    ) -> "ModuleSpec | None":
         if name not in self.watched or name in self._busy:
             return None
         self._busy.add(name)
@@ -119,7 +135,7 @@ class Finder:
 _policy: list[str] = []
 
 
-def _imported(name: str, module: ModuleType) -> None:
+def _imported(name: str, module: "ModuleType") -> None:
     """A watched module finished importing: the guard goes on for it. Never raises."""
     try:
         from safeview import process
@@ -131,11 +147,10 @@ def _imported(name: str, module: ModuleType) -> None:
 
             log.internal_error(where=f"process guard on import of {name}", error=error)
         except Exception:  # safeview itself cannot be imported: say so in one line
-            with contextlib.suppress(Exception):
-                sys.stderr.write(
-                    f"safeview: the process guard cannot start on import of {name} "
-                    f"({type(error).__name__}: {error}); this process runs unguarded\n"
-                )
+            _say(
+                f"safeview: the process guard cannot start on import of {name} "
+                f"({type(error).__name__}: {error}); this process runs unguarded\n"
+            )
 
 
 def install(policy: str) -> None:

@@ -1,13 +1,15 @@
 """Structured events through the stdlib logger ``safeview``: one builder per row of the
 event table in docs/events.md, and nothing else in the package builds an event.
 
-safeview never configures logging on import: the ``safeview`` logger has a ``NullHandler`` (the
-stdlib rule for libraries) and its events reach whatever handlers the application set up, as a
-``key=value`` message (values in JSON) with the event's fields on the record as
-``record.safeview_event``, and the record's file and line those of the caller outside
-safeview. ``configure_logging`` (or the environment variable ``SAFEVIEW_LOG_FORMAT``) writes each
-event as a JSON or console line, or hands the events to a host's handlers. An event is built
-only when its level is enabled, and a handler that fails never changes what safeview returns or
+safeview never configures logging on import: its events reach whatever handlers the application
+set up, as a ``key=value`` message (values in JSON) with the event's fields on the record as
+``record.safeview_event``, and the record's file and line those of the caller outside safeview.
+Where no handler of the application's would see a warning or an error (no logging set up, as
+in a plain script), it is written to standard error, one line each, as Python's own last-resort
+handler would write it: someone who asked for ``warn`` sees the warnings.
+``configure_logging`` (or the environment variable ``SAFEVIEW_LOG_FORMAT``) writes each event
+as a JSON or console line, or hands the events to a host's handlers. An event is built only
+when its level is enabled, and a handler that fails never changes what safeview returns or
 raises.
 """
 
@@ -45,7 +47,49 @@ FORMATS = ("json", "console")
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 stdlib_logger = logging.getLogger(LOGGER_NAME)
-stdlib_logger.addHandler(logging.NullHandler())
+
+
+class UnhandledToStderr(logging.Handler):
+    """The ``safeview`` logger's own handler, in place of the usual library ``NullHandler``:
+    writes a WARNING record to standard error, one line, only when no other handler would get
+    it (none on the ``safeview`` logger, none on its ancestors while they propagate; checked at
+    each record, so logging set up later takes over). That is when Python's own
+    ``logging.lastResort`` would print it, which a ``NullHandler`` turns off: a library's debug
+    and info stay quiet, but the warnings of a policy someone chose (``warn``) must be seen.
+    ERROR events are left out: each comes just before the exception it describes, which the
+    program sees (or catches: a caught error prints nothing). Configures nothing global;
+    ``logging.lastResort = None`` silences it as it silences Python's, and so does a handler of
+    the application's on the ``safeview`` logger (a ``logging.NullHandler()`` included)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def _shown_elsewhere(self) -> bool:
+        # the walk of ``Logger.callHandlers``: a handler counts whatever its level, as it does
+        # for the last-resort rule
+        logger: logging.Logger | None = stdlib_logger
+        while logger is not None:
+            if any(handler is not self for handler in logger.handlers):
+                return True
+            if not logger.propagate:
+                return False
+            logger = logger.parent
+        return False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR or logging.lastResort is None:
+            return
+        if self._shown_elsewhere():
+            return
+        try:
+            # standard error as it is now (a test or host may have replaced it)
+            sys.stderr.write(f"safeview {record.levelname}: {record.getMessage()}\n")
+            sys.stderr.flush()
+        except Exception:  # no usable standard error: the event is lost, nothing else
+            pass
+
+
+stdlib_logger.addHandler(UnhandledToStderr())
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Frames skipped to find the caller a record points at: safeview's own, and torch's (the
 # dispatcher, for the events the sanitizer emits from inside an op), by the installed torch

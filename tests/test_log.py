@@ -17,7 +17,7 @@ import torch
 
 import safeview
 from safeview import BlockLayout, BoundsError, StridedLayout, configure_logging, make_view
-from safeview.log import ENV_LOG_FORMAT
+from safeview.log import ENV_LOG_FORMAT, UnhandledToStderr
 
 COMMON = {
     "event", "level", "timestamp", "logger", "name", "policy", "device", "storage_nbytes",
@@ -108,7 +108,7 @@ def test_configure_logging_twice_keeps_one_handler() -> None:
     configure_logging("json", level="DEBUG", stream=first)
     configure_logging("json", level="DEBUG", stream=second)
     installed = logging.getLogger("safeview").handlers
-    assert [type(h) for h in installed] == [logging.NullHandler, logging.StreamHandler]
+    assert [type(h) for h in installed] == [UnhandledToStderr, logging.StreamHandler]
     make_view(torch.zeros(128, dtype=torch.int8), LAYOUT)
     assert first.getvalue() == ""
     assert len(_lines(second)) == 1
@@ -146,8 +146,9 @@ def test_import_configures_nothing_global() -> None:
         " structlog.is_configured(), 'torch' in __import__('sys').modules)"
     )
     assert result.returncode == 0, result.stderr
-    # only the NullHandler every library logger should have
-    assert result.stdout.split() == ["[]", "[<NullHandler", "(NOTSET)>]", "False", "False"]
+    # nothing on the root logger; on its own, only the handler that shows a warning nobody else
+    # would (tests below)
+    assert result.stdout.split() == ["[]", "[<UnhandledToStderr", "(WARNING)>]", "False", "False"]
 
 
 _VIOLATE = """
@@ -239,3 +240,162 @@ def test_forwarded_events_reach_a_vllm_style_handler_with_level_time_logger_and_
         assert 'event="bounds_violation" name="l0"' in line
     finally:
         host.removeHandler(handler)
+
+
+# -- a warning nobody's logging would show reaches standard error --------------------------------
+# A user who asks for ``warn`` (SAFEVIEW_GUARD=warn, safeview run --policy warn,
+# SAFEVIEW_BOUNDS_POLICY=warn) without setting up logging must see each warning, one line on
+# standard error; where the host logs, the warning goes there once, and only there.
+
+HOOK_INSTALLED = os.path.exists(
+    os.path.join(__import__("sysconfig").get_paths()["purelib"], "safeview-guard.pth")
+)
+needs_hook = pytest.mark.skipif(not HOOK_INSTALLED, reason="safeview-guard.pth is not installed")
+
+# the four-argument set_ past the end of a storage another tensor uses: torch grows it (the bug)
+GROWN_SET = """
+import torch
+kv = torch.arange(64, dtype=torch.int8)
+layer = kv[16:32]
+torch.empty(0, dtype=torch.int8).set_(kv.untyped_storage(), 0, (5, 16), (16, 1))
+print(kv.untyped_storage().nbytes())
+"""
+TOO_LONG_VIEW = """
+import torch, safeview
+meta = torch.empty(64, dtype=torch.int8, device="meta")
+safeview.make_view(meta, safeview.BlockLayout(num_blocks=5, page_bytes=16, block_stride_bytes=16))
+"""
+
+
+def _shown(result: subprocess.CompletedProcess[str]) -> list[str]:
+    assert result.returncode == 0, result.stderr
+    return result.stderr.splitlines()
+
+
+def _our_line(line: str, op: str | None = None) -> None:
+    assert line.startswith('safeview WARNING: event="bounds_violation" '), line
+    assert 'policy="warn"' in line
+    assert "overflow_bytes=16 " in line
+    if op is not None:
+        assert f'op="{op}"' in line
+
+
+@needs_hook
+def test_guard_warn_shows_each_warning_on_stderr_once() -> None:
+    result = _python(GROWN_SET, SAFEVIEW_GUARD="warn")
+    [line] = _shown(result)
+    _our_line(line, op="Tensor.set_")
+    assert result.stdout.split() == ["80"]  # warn changes nothing: torch grew the storage
+
+
+@needs_hook
+def test_safeview_run_policy_warn_shows_each_warning_on_stderr_once() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "safeview", "run", "--policy", "warn", "--",
+         sys.executable, "-c", GROWN_SET],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    [line] = _shown(result)
+    _our_line(line, op="Tensor.set_")
+    assert result.stdout.split() == ["80"]
+
+
+def test_bounds_policy_warn_shows_each_warning_on_stderr_once() -> None:
+    twice = TOO_LONG_VIEW + TOO_LONG_VIEW.splitlines()[-1] + "\n"
+    lines = _shown(_python(twice, SAFEVIEW_BOUNDS_POLICY="warn"))
+    assert len(lines) == 2  # one line per warning
+    for line in lines:
+        _our_line(line)
+
+
+def test_a_host_handler_gets_the_warning_once_and_stderr_no_copy() -> None:
+    # set up after safeview's import, as hosts often do: checked at each record
+    code = TOO_LONG_VIEW.replace(
+        "safeview.make_view", "import logging; logging.basicConfig()\nsafeview.make_view"
+    )
+    [line] = _shown(_python(code, SAFEVIEW_BOUNDS_POLICY="warn"))
+    assert line.startswith('WARNING:safeview:event="bounds_violation" ')  # the host's format
+
+
+def test_a_logger_that_does_not_propagate_elsewhere_is_no_handler_of_ours() -> None:
+    # vLLM's shape: a ``vllm`` logger with its own handler and propagate=False, nothing on the
+    # root: it is no ancestor of ``safeview``, so the warning comes to stderr once; forwarded to
+    # it (what the vLLM plugin does), it comes once, in that handler's format
+    host = (
+        "import logging, sys\n"
+        "h = logging.StreamHandler(sys.stderr)\n"
+        "h.setFormatter(logging.Formatter('VLLM %(levelname)s %(message)s'))\n"
+        "v = logging.getLogger('vllm'); v.addHandler(h); v.propagate = False\n"
+    )
+    [line] = _shown(_python(host + TOO_LONG_VIEW, SAFEVIEW_BOUNDS_POLICY="warn"))
+    _our_line(line)
+    forward = host + "import safeview; safeview.configure_logging(forward_to='vllm')\n"
+    [line] = _shown(_python(forward + TOO_LONG_VIEW, SAFEVIEW_BOUNDS_POLICY="warn"))
+    assert line.startswith('VLLM WARNING event="bounds_violation" ')
+
+
+@pytest.mark.parametrize(
+    "silence",
+    [
+        "logging.getLogger('safeview').addHandler(logging.NullHandler())",
+        "logging.lastResort = None",
+    ],
+)
+def test_the_host_can_still_silence_them(silence: str) -> None:
+    code = f"import logging\n{silence}\n{TOO_LONG_VIEW}"
+    assert _shown(_python(code, SAFEVIEW_BOUNDS_POLICY="warn")) == []
+
+
+@needs_hook
+def test_info_and_debug_events_and_refusals_do_not_print() -> None:
+    # the guard's started/stopped events (INFO), registration_checked (INFO) and view_created
+    # (DEBUG) with the level lowered, and a refusal under strict that the program catches
+    # (its ERROR event comes with the exception)
+    code = (
+        "import logging, torch, safeview\n"
+        "logging.getLogger('safeview').setLevel(logging.DEBUG)\n"
+        "kv = torch.zeros(4 * 32, dtype=torch.int8)\n"
+        "from safeview.kv import block_views; block_views({'l0': kv}, {'l0': 32}, num_blocks=4)\n"
+        "try:\n"
+        "    torch.empty(0, dtype=torch.int8).set_(kv.untyped_storage(), 0, (5, 32), (32, 1))\n"
+        "except safeview.BoundsError:\n"
+        "    print('refused')\n"
+    )
+    result = _python(code, SAFEVIEW_GUARD="strict")
+    assert _shown(result) == []
+    assert result.stdout.split() == ["refused"]  # the guard was on
+
+
+def test_in_process_a_logger_that_stops_propagating_without_handlers_shows_warnings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # pytest's own handlers sit on the root logger: with propagation off, safeview's chain ends
+    # at its own logger, where nothing but the fallback is
+    logger = logging.getLogger("safeview")
+    logger.propagate = False
+    try:
+        make_view(
+            torch.empty(64, dtype=torch.int8, device="meta"),
+            BlockLayout(num_blocks=5, page_bytes=16, block_stride_bytes=16),
+            policy="warn",
+        )
+        with pytest.raises(BoundsError):
+            make_view(
+                torch.empty(64, dtype=torch.int8, device="meta"),
+                BlockLayout(num_blocks=5, page_bytes=16, block_stride_bytes=16),
+            )
+    finally:
+        logger.propagate = True
+    [line] = capsys.readouterr().err.splitlines()
+    _our_line(line)
+
+
+def test_safeview_run_help_says_where_warnings_go() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "safeview", "run", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = " ".join(result.stdout.split())
+    assert "each warning is one line on standard error" in text
+    assert "SAFEVIEW_LOG_FORMAT=json or console" in text
