@@ -6,10 +6,9 @@ block length (vLLM issue 57661: half of each page) is refused under strict befor
 it, and under warn moved with an ``address_violation`` event. Told which layer each row is for
 (``layers=``), the guard also refuses a row of whole pages of the wrong layer.
 
-Needs numpy and the engines (from a checkout: ``pip install -e ".[transfer]"``, then
-``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1`` and
-``pip install mooncake-transfer-engine-non-cuda==0.3.13.post1``, which needs Debian's
-``libibverbs1``); an engine that is not installed is skipped, saying so.
+Needs numpy and the engines (from a checkout: ``pip install -e ".[transfer]"``, then the lines
+in ``INSTALL`` below); an engine that is not installed, or does not load, is skipped, and the
+script says which, why, and the exact install lines that would run it.
 
 NIXL's UCX backend may crash the interpreter when it exits (a segmentation fault, exit status
 139, after everything ran), with or without safeview. This script therefore leaves with
@@ -20,7 +19,7 @@ Run: python examples/transfer_guard.py
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
 
@@ -31,6 +30,16 @@ import safeview
 from safeview.kv import block_views
 
 PAGE, BLOCKS, LAYERS = 256, 8, 2
+
+#: the versions safeview is tested with, on a CPU torch (a CUDA 13 torch, as vLLM 0.33 brings,
+#: needs nixl-cu13==1.5.1 in place of nixl-cu12)
+INSTALL = {
+    "NIXL": ("pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1",),
+    "Mooncake": (
+        "sudo apt-get install libibverbs1",
+        "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1",
+    ),
+}
 
 
 def kv_cache() -> tuple[torch.Tensor, object]:
@@ -116,15 +125,28 @@ def mooncake_example() -> None:
 
 def main() -> None:
     safeview.configure_logging("console", level="WARNING", stream=sys.stdout)
+    skipped: list[tuple[str, str]] = []
     with safeview.policy_scope("strict"):
         for engine, module, run in (
-            ("NIXL", "nixl", nixl_example),
-            ("Mooncake", "mooncake", mooncake_example),
+            ("NIXL", "nixl._api", nixl_example),
+            ("Mooncake", "mooncake.engine", mooncake_example),
         ):
-            if importlib.util.find_spec(module) is None:
-                print(f"{engine} is not installed here: skipped")
+            try:
+                importlib.import_module(module)
+            except ImportError as error:  # not installed, or a library it needs is missing
+                missing = isinstance(error, ModuleNotFoundError) and error.name is not None
+                why = "not installed" if missing else f"does not load ({error})"
+                print(f"{engine}: SKIPPED, {why}")
+                skipped.append((engine, why))
                 continue
             run()
+    if skipped:
+        print()
+        print(f"Skipped {len(skipped)} of 2 engines; to run them too:")
+        for engine, why in skipped:
+            print(f"  {engine} ({why}):")
+            for line in INSTALL[engine]:
+                print(f"    {line}")
 
 
 if __name__ == "__main__":

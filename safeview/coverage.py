@@ -54,7 +54,7 @@ def check_coverage(
     active = current_policy(policy)
     if active is Policy.OFF:
         return []
-    found = uncovered(list(prepared), memory_map(registration), layers, set(touched))
+    found = uncovered(_lists(prepared), memory_map(registration), layers, set(touched))
     enforce(found, active, source)
     return found
 
@@ -68,6 +68,35 @@ def enforce(found: Sequence[Finding], active: Policy, source: str) -> None:
         log.coverage_violation(finding, strict=strict, policy=active.value, source=source)
     if strict:
         raise CoverageError(found, policy=active.value, source=source)
+
+
+def _lists(prepared: Iterable[object]) -> list[object]:
+    """``prepared`` as a list of descriptor lists; rows given in its place (one list of rows,
+    or one 2-d array, the usual slip) are an ``ArgumentError`` that says what to pass, instead
+    of a complaint about the first row's first number."""
+    if isinstance(prepared, (str, bytes)) or not isinstance(prepared, Iterable):
+        raise ArgumentError(
+            "prepared must be a list of descriptor lists (each a list of rows (address, "
+            "length[, device[, stride, count]]) or a 2-d integer array); got "
+            f"{type(prepared).__name__}"
+        )
+    lists = list(prepared)
+    for index, item in enumerate(lists):
+        row: tuple[int, ...] | None = None
+        if getattr(item, "ndim", None) == 1:  # a row of an array: the array itself was passed
+            row = tuple(int(value) for value in item)  # type: ignore[attr-defined]
+        elif isinstance(item, (list, tuple)) and item and hasattr(item[0], "__index__"):
+            row = tuple(
+                value.__index__() if hasattr(value, "__index__") else value for value in item
+            )
+        if row is not None:
+            raise ArgumentError(
+                "prepared must be a list of descriptor lists (one per list the connector handed "
+                "its engine, each a list of rows (address, length[, device[, stride, count]]) or "
+                f"a 2-d integer array); its item {index} is one row, {row}: to check one list "
+                "of rows, call check_coverage([rows], ...)"
+            )
+    return lists
 
 
 def uncovered(

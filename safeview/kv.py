@@ -383,7 +383,7 @@ def block_views(
                 region=region,
             )
             continue
-        if len(tensors) == 1:
+        if rows == 2 and len(tensors) == 1:  # only a K/V axis of 2 outermost can be K/V-first
             _refuse_kv_first(layer, tensors[0], blocks, page)
         if len(tensors) > 1 and page % len(tensors):
             raise ArgumentError(
@@ -487,13 +487,74 @@ def _per_layer(
 
 
 def _bounds_error(
-    finding: Finding, storages: _Storages, active: Policy, more: Sequence[Finding] = ()
+    finding: Finding,
+    storages: _Storages,
+    active: Policy,
+    more: Sequence[Finding] = (),
+    also: str = "",
 ) -> BoundsError:
     assert finding.storage is not None
     facts = storages.facts[finding.storage]
     return BoundsError(
-        finding, storage_nbytes=facts.nbytes, device=facts.device, policy=active.value, more=more
+        finding,
+        storage_nbytes=facts.nbytes,
+        device=facts.device,
+        policy=active.value,
+        more=more,
+        also=also,
     )
+
+
+def _running_on(
+    outside: Sequence[Finding], overlaps: Sequence[Finding], views: Sequence[ViewRecord]
+) -> str:
+    """The words a ``BoundsError`` adds for the views, other than those past a bound, whose
+    pages run on into a neighbour's: with one wrong page size in every layer of a packed group,
+    only the last layer's runs past the end of the storage, and every other layer's runs into
+    the next one's (which strict would otherwise never say, raising for the bound first)."""
+    if not overlaps:
+        return ""
+    records = {view.name: view for view in views}
+
+    def runs_on(name: str, byte: int | None) -> bool:
+        """Whether ``name``'s page that holds ``byte``, the lowest byte it shares with the
+        other view, starts before it (the other view's page starts there: this one runs on)."""
+        view = records.get(name)
+        if view is None or byte is None or len(view.strides) != 2 or view.strides[1] != 1:
+            return True  # not a block view: both views of the pair are named
+        stride = view.strides[0] * view.itemsize
+        return (byte - view.byte_offset) % stride != 0 if stride else byte != view.byte_offset
+
+    named = {finding.views[0] for finding in outside}
+    onto: dict[str, str] = {}  # a view that runs on -> the first view it runs into
+    for finding in overlaps:
+        if finding.kind == "self_overlap":
+            onto.setdefault(finding.views[0], finding.views[0])
+            continue
+        for name, other in (finding.views, finding.views[::-1]):
+            if name not in named and runs_on(name, finding.byte):
+                onto.setdefault(name, other)
+    if not onto:
+        return ""
+    shown = [
+        f"{name!r} into {other!r}" if name != other else f"{name!r} into its own pages"
+        for name, other in sorted(onto.items())[:3]
+    ]
+    if len(onto) > len(shown):
+        shown.append(f"{len(onto) - len(shown)} more")
+    count = len(onto)
+    text = (
+        f"; and {count} more view{'s' if count != 1 else ''} "
+        f"run{'' if count != 1 else 's'} into a neighbour's bytes ({', '.join(shown)})"
+    )
+    wrong = len(named) + count
+    if wrong == len(views) and wrong > 1:
+        first = outside[0].views[0]
+        text += (
+            f": all {wrong} views are wrong, so the page size is likely wrong in every layer, "
+            f"not in {first!r} alone"
+        )
+    return text
 
 
 def _report(
@@ -521,7 +582,8 @@ def _report(
         log.overlap_violation(finding, strict=strict, policy=active.value)
     log.registration_checked(report, policy=active.value, layers=layers, source=source)
     if strict and bounds:
-        raise _bounds_error(bounds[0], storages, active, bounds[1:])
+        also = _running_on(bounds, overlaps, report.views)
+        raise _bounds_error(bounds[0], storages, active, bounds[1:], also)
     if strict and overlaps:
         raise OverlapError(overlaps, policy=active.value)
 

@@ -31,7 +31,7 @@ returned as it is.
 from __future__ import annotations
 
 import warnings
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from importlib import metadata
 from itertools import accumulate
@@ -137,6 +137,42 @@ _UNCONFIRMED = (
 def _code(value: Any) -> int | None:
     """``value`` as a return code of the engine, or None where it is not an integer."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _merged(rows: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """``rows`` ``(address, length)`` as sorted disjoint runs of bytes: their starts, their ends."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for address, length in sorted(rows):
+        if length <= 0:
+            continue
+        if ends and address <= ends[-1]:  # overlapping or touching the run before: one run
+            ends[-1] = max(ends[-1], address + length)
+        else:
+            starts.append(address)
+            ends.append(address + length)
+    return starts, ends
+
+
+def _uncovered(
+    address: int, length: int, runs: tuple[list[int], list[int]]
+) -> list[tuple[int, int]]:
+    """The bytes of ``[address, address + length)`` outside ``runs`` (from ``_merged``), as
+    ``(address, length)`` pieces in order: found by bisection, a batch of thousands of rows
+    against many marks stays cheap."""
+    starts, ends = runs
+    end = address + length
+    pieces: list[tuple[int, int]] = []
+    at = address
+    index = bisect_right(ends, address)  # the first run that ends past the span's start
+    while index < len(starts) and starts[index] < end:
+        if starts[index] > at:
+            pieces.append((at, starts[index] - at))
+        at = max(at, ends[index])
+        index += 1
+    if at < end:
+        pieces.append((at, end - at))
+    return pieces
 
 
 def _reads(opcode: Any) -> bool:
@@ -245,9 +281,9 @@ class GuardedEngine:
     ) -> None:
         """Refuse (strict) or report (warn) a call whose local bytes an earlier failure left
         unusable: memory whose registration failed (and no later one succeeded), or, for a
-        write, bytes whose read failed (and no later read succeeded) or whose asynchronous read
-        was never confirmed (``failed`` says so, ``status`` is the batch id)."""
-        failures = [f for f in self._safeview_failed_registrations if not self._registered_at(f)]
+        write, bytes whose read failed (and no later read of those bytes succeeded) or whose
+        asynchronous read was never confirmed (``failed`` says so, ``status`` is the batch id)."""
+        failures = self._unregistered()
         if not reading:
             failures += self._safeview_failed_reads
             failures += [
@@ -281,12 +317,23 @@ class GuardedEngine:
                         )  # fmt: skip
                     return
 
-    def _registered_at(self, failure: tuple[int, int, str, Any]) -> bool:
-        low, size = failure[0], failure[1]
-        return any(
-            region.address <= low and low + size <= region.address + region.length_bytes
-            for _, region in self._safeview_registered.regions
+    def _unregistered(self) -> list[tuple[int, int, str, Any]]:
+        """The bytes of failed registrations that no registration made since holds: one later
+        registration of the whole, or several of its parts (a layer at a time), clear them."""
+        failed = self._safeview_failed_registrations
+        if not failed:
+            return []
+        registered = _merged(
+            [
+                (region.address, region.length_bytes)
+                for _, region in self._safeview_registered.regions
+            ]
         )
+        return [
+            (low, size, call, status)
+            for address, length, call, status in failed
+            for low, size in _uncovered(address, length, registered)
+        ]
 
     def _outcome(self, source: str, rows: list[tuple[int, int]], reading: bool, status: Any) -> Any:
         """After the engine returned ``status``: a failure is a ``transfer_failed`` event (the
@@ -312,15 +359,20 @@ class GuardedEngine:
 
     def _read(self, call: str, rows: list[tuple[int, int]], status: Any, failed: bool) -> None:
         """How a read of ``rows`` by ``call`` ended: the latest word on its bytes, it clears
-        earlier marks (failed or unconfirmed) and marks them failed if it failed."""
-        spans = set(rows)
+        earlier marks (failed or unconfirmed) byte by byte, whatever rows they were read in (a
+        retry page by page of a failed run of pages clears the run; one of part of it, that
+        part), and marks them failed if it failed."""
+        read = _merged(rows)
         self._safeview_failed_reads = [
-            f for f in self._safeview_failed_reads if (f[0], f[1]) not in spans
+            (low, size, earlier, code)
+            for address, length, earlier, code in self._safeview_failed_reads
+            for low, size in _uncovered(address, length, read)
         ]
         for batch_id, (submitted, pending, reads) in list(self._safeview_batches.items()):
-            if reads and spans.intersection(pending):
-                kept = [span for span in pending if span not in spans]
-                self._safeview_batches[batch_id] = (submitted, kept, reads)
+            if reads:
+                kept = [piece for a, n in pending for piece in _uncovered(a, n, read)]
+                if kept != pending:
+                    self._safeview_batches[batch_id] = (submitted, kept, reads)
         if failed:
             self._safeview_failed_reads += [(a, n, call, status) for a, n in rows]
 

@@ -157,3 +157,25 @@ def test_the_nixl_workers_layers_to_transfer_follow_vllms_own_rules() -> None:
     # a HiSparse host pool shared by the TP ranks: rank 0 transfers the host-memory layers
     rank_1 = SimpleNamespace(_skip_dram_xfer=True)
     assert layers_to_transfer(rank_1, caches, config)[0] == []
+
+
+@pytest.mark.parametrize(
+    "flat",
+    [
+        [(BASE, 64), (BASE + 64, 64)],  # rows, as a list of tuples
+        [[BASE, 128, 0]],  # rows, as a list of lists
+        np.array([[BASE, 64], [BASE + 64, 64]], dtype=np.uint64),  # rows, as one array
+    ],
+    ids=["tuples", "lists", "array"],
+)
+def test_rows_given_where_lists_of_rows_are_expected_say_so(flat: Any) -> None:
+    memory = _map([ViewSpan("layers.0", "kv", 0, 64, 64, 2)])  # two pages of 64 bytes
+    with pytest.raises(ArgumentError) as caught:
+        check_coverage(flat, memory)
+    message = str(caught.value)
+    assert "prepared must be a list of descriptor lists" in message  # what is expected
+    assert "its item 0 is one row" in message  # what was passed
+    assert str(tuple(int(v) for v in flat[0])) in message  # the value
+    assert "check_coverage([rows], ...)" in message  # how to pass it
+    # the same rows, wrapped as the message says, are checked
+    assert check_coverage([flat], memory) == []

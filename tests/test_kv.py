@@ -515,3 +515,38 @@ def test_a_page_too_big_overflows_as_the_readme_troubleshooting_says(packed: boo
         )  # fmt: skip
     expected = spec - allocated if packed else num_blocks * (spec - allocated)
     assert caught.value.overflow_bytes == expected
+
+
+def test_one_wrong_page_in_every_layer_is_named_as_such_not_as_the_last_layer_only() -> None:
+    # a packed group whose page size is 16 bytes too big in every layer: each page runs into the
+    # next layer's, and the last one past the end of the storage
+    layers, blocks, page = 4, 3, 64
+    raw = torch.zeros(blocks * layers * page, dtype=torch.int8)
+    caches = {
+        f"layers.{n}": torch.as_strided(raw, (blocks, page), (layers * page, 1), n * page)
+        for n in range(layers)
+    }
+    with pytest.raises(BoundsError) as caught:
+        block_views(caches, dict.fromkeys(caches, page + 16), num_blocks=blocks, packed=caches)
+    message = str(caught.value)
+    assert caught.value.name == "layers.3"  # the view past the end, as before
+    assert (
+        "and 3 more views run into a neighbour's bytes ('layers.0' into 'layers.1', 'layers.1' "
+        "into 'layers.2', 'layers.2' into 'layers.3'): all 4 views are wrong, so the page size "
+        "is likely wrong in every layer, not in 'layers.3' alone"
+    ) in message
+    # one layer wrong: the message names it, and says nothing of the others
+    pages = dict.fromkeys(caches, page)
+    pages["layers.3"] = page + 16
+    with pytest.raises(BoundsError) as one:
+        block_views(caches, pages, num_blocks=blocks, packed=caches)
+    assert "overlap" not in str(one.value)
+    assert "every layer" not in str(one.value)
+    # two of four wrong: the overlap is named, not every layer
+    pages["layers.1"] = page + 16
+    with pytest.raises(BoundsError) as two:
+        block_views(caches, pages, num_blocks=blocks, packed=caches)
+    assert "and 1 more view runs into a neighbour's bytes ('layers.1' into 'layers.2')" in str(
+        two.value
+    )
+    assert "every layer" not in str(two.value)

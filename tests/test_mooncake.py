@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import safeview
 from safeview import AddressError
@@ -28,8 +31,8 @@ if os.environ.get("SAFEVIEW_REQUIRE_ENGINES") == "1":
 else:
     engine_module = pytest.importorskip(
         "mooncake.engine",
-        reason="Mooncake is not installed here (pip install mooncake-transfer-engine-non-cuda; "
-        "apt-get install libibverbs1)",
+        reason="Mooncake is not installed here (apt-get install libibverbs1; "
+        "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1)",
     )
     TransferEngine = engine_module.TransferEngine
 
@@ -544,3 +547,131 @@ def test_the_guard_remembers_a_bounded_number_of_batches(pair: Pair) -> None:
         assert len(pair.guarded._safeview_batches) == 0
     finally:
         pair.kv.copy_(kept)
+
+
+# -- a retry that reads the bytes again, in other rows -------------------------------------------
+
+
+def test_a_page_by_page_retry_of_a_failed_two_page_read_makes_its_bytes_good(pair: Pair) -> None:
+    run = pair.base + BLOCKS * PAGE  # pages 0 and 1 of layer 1
+    kept = pair.kv.clone()
+    try:
+        # the engine fails the two-page read (the rejecting peer holds no such bytes) ...
+        assert pair.guarded.transfer_sync_read(pair.rejecting, run, pair.nowhere, 2 * PAGE) < 0
+        pair.destination[: 2 * PAGE] = 9
+        # ... the caller retries page by page from a peer that has them: both succeed
+        for page in range(2):
+            assert (
+                pair.guarded.transfer_sync_read(
+                    pair.peer, run + page * PAGE, pair.target + page * PAGE, PAGE
+                )
+                == 0
+            )
+        assert pair.kv[BLOCKS * PAGE : BLOCKS * PAGE + 2 * PAGE].tolist() == [9] * 2 * PAGE
+        with capture_events() as events:
+            # those bytes were read: a write of them, as one row or two, is no failure ignored
+            assert pair.guarded.transfer_sync_write(pair.peer, run, pair.target, 2 * PAGE) == 0
+            assert (
+                pair.guarded.batch_transfer_sync_write(
+                    pair.peer, [run, run + PAGE], [pair.target, pair.target + PAGE], [PAGE, PAGE]
+                )
+                == 0
+            )
+        assert _failures(events) == []
+    finally:
+        pair.kv.copy_(kept)
+
+
+def test_a_retry_that_reads_part_of_the_failed_bytes_clears_only_that_part(pair: Pair) -> None:
+    run = pair.base + BLOCKS * PAGE + 2 * PAGE  # pages 2 and 3 of layer 1
+    kept = pair.kv.clone()
+    try:
+        assert pair.guarded.transfer_sync_read(pair.rejecting, run, pair.nowhere, 2 * PAGE) < 0
+        # only the second page is read again
+        pair.destination[:PAGE] = 9
+        assert pair.guarded.transfer_sync_read(pair.peer, run + PAGE, pair.target, PAGE) == 0
+        pair.destination.zero_()
+        assert pair.guarded.transfer_sync_write(pair.peer, run + PAGE, pair.target, PAGE) == 0
+        # the first page was never read: a write of it, or of both pages, is refused
+        for address, length in ((run, PAGE), (run, 2 * PAGE)):
+            with pytest.raises(safeview.FailureIgnoredError) as refused:
+                pair.guarded.transfer_sync_write(pair.peer, address, pair.target, length)
+            assert (refused.value.address, refused.value.length) == (address, length)
+            assert refused.value.failed == "mooncake.transfer_sync_read"
+            assert refused.value.layers == ("layers.1",)
+        with pytest.raises(safeview.FailureIgnoredError) as refused:  # the page read, then not
+            pair.guarded.batch_transfer_sync_write(
+                pair.peer, [run + PAGE, run], [pair.target, pair.target + PAGE], [PAGE, PAGE]
+            )
+        assert refused.value.address == run
+        assert pair.moved() == [0, PAGE - 1]  # only the page that was read again went out
+        # a write that only touches the byte after the failed run is not refused
+        with capture_events() as events:
+            assert (
+                pair.guarded.transfer_sync_write(pair.peer, run + 2 * PAGE, pair.target, PAGE) == 0
+            )
+        assert _failures(events) == []
+        # the retry of the first page clears the rest
+        assert pair.guarded.transfer_sync_read(pair.peer, run, pair.target, PAGE) == 0
+        assert pair.guarded.transfer_sync_write(pair.peer, run, pair.target, 2 * PAGE) == 0
+    finally:
+        pair.kv.copy_(kept)
+
+
+_spans = st.lists(st.tuples(st.integers(0, 64), st.integers(0, 24)), max_size=8)
+
+
+@given(marked=_spans, read=_spans)
+def test_the_bytes_left_marked_after_a_read_are_the_marked_bytes_it_did_not_read(
+    marked: list[tuple[int, int]], read: list[tuple[int, int]]
+) -> None:
+    # oracle: sets of byte addresses
+    runs = guard_module._merged(read)
+    read_bytes = {b for a, n in read for b in range(a, a + n)}
+    for address, length in marked:
+        pieces = guard_module._uncovered(address, length, runs)
+        left = [b for a, n in pieces for b in range(a, a + n)]
+        assert left == sorted(set(range(address, address + length)) - read_bytes)
+        assert all(n > 0 for _, n in pieces)
+        assert all(a + n < b for (a, n), (b, _) in pairwise(pieces))  # disjoint, in order
+
+
+def test_memory_of_a_failed_registration_registered_later_in_pieces_is_usable() -> None:
+    engine, remote = TransferEngine(), TransferEngine()
+    for each in (engine, remote):
+        assert each.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    kv = (torch.arange(3 * BLOCKS * PAGE) % 251 + 1).to(torch.int8)
+    layer_bytes = BLOCKS * PAGE
+    caches = {
+        f"layers.{n}": kv[n * layer_bytes : (n + 1) * layer_bytes].view(BLOCKS, PAGE)
+        for n in range(3)
+    }
+    guarded = guard_module.guard(
+        engine, block_views(caches, dict.fromkeys(caches, PAGE), num_blocks=BLOCKS)
+    )
+    destination = torch.zeros(PAGE, dtype=torch.int8)
+    assert remote.register_memory(destination.data_ptr(), PAGE) == 0
+    peer = f"127.0.0.1:{remote.get_rpc_port()}"
+    base = kv.data_ptr()
+    assert guarded.register_memory(base, layer_bytes) == 0  # layer 0
+    with safeview.policy_scope("warn"):
+        # layers 1 and 2 meant, layer 0's half overlapped: Mooncake refuses it (-7)
+        assert (
+            guarded.register_memory(base + layer_bytes // 2, 2 * layer_bytes + layer_bytes // 2) < 0
+        )
+    # the caller registers layer 1 alone: its memory is usable, layer 2's still is not
+    assert guarded.register_memory(base + layer_bytes, layer_bytes) == 0
+    with capture_events() as events:
+        assert (
+            guarded.transfer_sync_write(peer, base + layer_bytes, destination.data_ptr(), PAGE) == 0
+        )
+    assert _failures(events) == []
+    assert destination.tolist() == kv[layer_bytes : layer_bytes + PAGE].tolist()
+    with pytest.raises(safeview.FailureIgnoredError) as refused:
+        guarded.transfer_sync_write(peer, base + 2 * layer_bytes, destination.data_ptr(), PAGE)
+    assert refused.value.layers == ("layers.2",)
+    # and once layer 2 is registered too, nothing of the failure is left
+    assert guarded.register_memory(base + 2 * layer_bytes, layer_bytes) == 0
+    assert (
+        guarded.transfer_sync_write(peer, base + 2 * layer_bytes, destination.data_ptr(), PAGE) == 0
+    )

@@ -25,7 +25,10 @@ from safeview.testing import capture_events
 REPORT = "SAFEVIEW-NIXL-REPORT "
 NIXL_MISSING = importlib.util.find_spec("nixl") is None
 if NIXL_MISSING and os.environ.get("SAFEVIEW_REQUIRE_ENGINES") == "1":
-    raise ImportError("SAFEVIEW_REQUIRE_ENGINES=1 but NIXL is not installed (pip install nixl)")
+    raise ImportError(
+        "SAFEVIEW_REQUIRE_ENGINES=1 but NIXL is not installed "
+        "(pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)"
+    )
 
 PAGE = 256
 BLOCKS = 8
@@ -309,7 +312,9 @@ def _wrapped_agent_cases(
 @pytest.fixture(scope="module")
 def nixl() -> dict[str, Any]:
     if NIXL_MISSING:
-        pytest.skip("NIXL is not installed here (pip install --no-deps nixl nixl-cu12)")
+        pytest.skip(
+            "NIXL is not installed here (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)"
+        )
     done = subprocess.run(
         [sys.executable, __file__],
         capture_output=True,

@@ -9,7 +9,10 @@ by sets of bytes, as the rules in ``safeview/transfer.py`` say them in words.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,11 @@ from safeview.transfer import (
 )
 
 TOP = ADDRESS_LIMIT - 1
+#: the install lines of the engines, pinned to the versions tested (as the example prints them)
+ENGINES_HINT = (
+    "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1; apt-get install libibverbs1; "
+    "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1"
+)
 BASES = (0x1000, 2**63 - 0x100, 2**63 + 0x1000, ADDRESS_LIMIT - 0x400)
 
 # -- the oracle -----------------------------------------------------------------------------------
@@ -778,13 +786,12 @@ def test_whole_blocks_of_a_packed_group_pass_whatever_the_order_of_the_views() -
 def test_the_transfer_example_runs_against_both_engines_and_says_what_the_guard_did() -> None:
     import importlib.util
     import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     engines = [importlib.util.find_spec(name) is not None for name in ("nixl", "mooncake")]
     if not all(engines) and os.environ.get("SAFEVIEW_REQUIRE_ENGINES") != "1":
-        pytest.skip("NIXL or Mooncake is not installed here; .ci/run installs both")
+        pytest.skip(
+            f"NIXL or Mooncake is not installed here ({ENGINES_HINT}); .ci/run installs both"
+        )
     example = Path(__file__).resolve().parent.parent / "examples" / "transfer_guard.py"
     done = subprocess.run(
         [sys.executable, str(example)], capture_output=True, text=True, timeout=300
@@ -819,3 +826,25 @@ def test_without_numpy_the_hint_says_what_works_from_a_checkout() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert 'pip install -e ".[transfer]"' in done.stdout
     assert "'safeview[transfer]'" not in done.stdout
+
+
+def test_the_transfer_example_says_what_it_skipped_and_the_pinned_install_lines() -> None:
+    # the engines hidden as on a machine without them (None in sys.modules: not installed)
+    example = Path(__file__).parent.parent / "examples" / "transfer_guard.py"
+    hide = (
+        "import runpy, sys; sys.modules['nixl'] = sys.modules['mooncake'] = None; "
+        f"runpy.run_path({str(example)!r}, run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "NIXL: SKIPPED, not installed" in lines
+    assert "Mooncake: SKIPPED, not installed" in lines
+    assert "Skipped 2 of 2 engines; to run them too:" in lines
+    said = [line.strip() for line in lines]
+    for line in (
+        "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1",
+        "sudo apt-get install libibverbs1",
+        "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1",
+    ):
+        assert line in said
