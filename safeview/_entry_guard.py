@@ -1,32 +1,42 @@
-"""The process guard's torch side: a closed list of Python entry points, patched in place.
+"""The process guard's torch side: a closed list of doors, each judged before torch runs it.
 
-``install(policy)`` replaces, for every thread at once, the Python entry points that make a view
-over existing memory or change a storage's size, each by a function that works out the bytes the
-call needs, asks the one checker (``safeview.check.bounds``, through ``safeview.process``) and
-only then calls torch's own:
+``install(policy)`` guards, for every thread at once, what makes a view over existing memory or
+changes a storage's size; each door works out the bytes the call needs, asks the one checker
+(``safeview.check.bounds``, through ``safeview.process``) and only then calls torch's own:
+
+- ``aten::set_`` (four arguments) and ``aten::resize_`` at torch's dispatcher (a kernel of ours
+  at the BackendSelect key): every way into them meets there, ``torch.ops``, ``torch._C``,
+  ``resize_as_``, Tensor subclasses, ``inference_mode`` and C++ callers included; a growth of a
+  storage with bytes that others may hold;
+- ``torch._C.StorageBase.resize_`` (so ``UntypedStorage.resize_``): a growth as above, or a
+  shrink below a known layer;
+
+and these Python entry points, patched in place:
 
 - ``torch.as_strided``, ``Tensor.as_strided``, ``Tensor.as_strided_``;
-- ``Tensor.set_`` in all its forms (only the four-argument one places a view; the others are
-  views of a whole tensor or storage and pass as they are);
-- ``torch.frombuffer`` over memory ``ctypes`` reaches by address (``from_address``): a raw
-  address, judged against the memory the guard knows (``safeview.process``);
-- ``Tensor.resize_``, ``Tensor.resize_as_`` and ``UntypedStorage.resize_`` that would grow a
-  storage other tensors use (torch reallocates it under them);
-- ``torch.from_dlpack`` (and ``torch.utils.dlpack.from_dlpack``): the tensor it returns aliases
-  memory torch did not allocate, judged like a raw address before the caller gets it.
+- the constructors through which memory torch did not allocate becomes a tensor:
+  ``torch.frombuffer``, ``UntypedStorage.from_buffer`` (a copy), ``torch.from_numpy``,
+  ``torch.as_tensor``, ``torch.asarray``, ``torch.tensor`` (a copy) of a numpy array or a
+  buffer: its bytes judged against the memory its owner holds, or as a raw address (``ctypes``
+  memory at an address, however wrapped) against the memory the guard knows
+  (``safeview.process``); a tensor over owned memory makes that memory known;
+- ``torch.from_dlpack`` (and ``torch.utils.dlpack.from_dlpack``): a numpy array as above; the
+  tensor any other capsule gives aliases memory torch did not allocate, judged like a raw
+  address before the caller gets it.
 
 No other op is touched, so no other op pays anything, and ``torch.compile`` traces what it traced
-before. Calls from C++ (a kernel, a CUDA graph replay) never pass through these entry points, and
-code that took a reference to the original function before the guard went on (``from torch
-import as_strided`` at import time) keeps it. A failure inside the guard is reported
+before. C++ that bypasses the dispatcher (``at::native::resize_output`` for a CPU ``out=``, a
+CUDA graph replay) is not seen, and code that took a reference to a patched Python function
+before the guard went on (``from torch import as_strided`` at import time) keeps it
+(docs/process.md lists what stays unseen). A failure inside the guard is reported
 (``internal_error``) and the call goes on unjudged.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import operator
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -35,7 +45,8 @@ from typing import Any
 import torch
 import torch.utils.dlpack
 
-from safeview import _torch
+from safeview import _memory, _torch
+from safeview.errors import BoundsError
 
 __all__ = ["WATCHED", "describe_tensor", "install", "installed", "live", "uninstall"]
 
@@ -50,13 +61,19 @@ WATCHED = (
     "Tensor.as_strided",
     "Tensor.as_strided_",
     "Tensor.set_",
-    "torch.frombuffer",
     "Tensor.resize_",
-    "Tensor.resize_as_",
     "UntypedStorage.resize_",
+    "torch.frombuffer",
     "torch.from_dlpack",
+    "UntypedStorage.from_buffer",
+    "torch.from_numpy",
+    "torch.as_tensor",
+    "torch.asarray",
+    "torch.tensor",
 )
-"""The entry points the guard watches, as its start-up event names them."""
+"""What the guard watches, as its start-up event names them: ``Tensor.set_`` and
+``Tensor.resize_`` are the ops (``aten::set_``, ``aten::resize_``) at the dispatcher, whichever
+door reaches them; ``UntypedStorage.resize_`` is ``torch._C.StorageBase.resize_``."""
 
 _MISSING = object()
 # (owner, attribute, what was there before: the owner's own value, or _MISSING when inherited)
@@ -69,13 +86,14 @@ _local = threading.local()
 _as_strided = torch.as_strided
 _t_as_strided = Tensor.as_strided
 _t_as_strided_ = Tensor.as_strided_
-_t_set_ = Tensor.set_
 _frombuffer = torch.frombuffer
-_t_resize_ = Tensor.resize_
-_t_resize_as_ = Tensor.resize_as_
-_s_resize_ = UntypedStorage.resize_
 _from_dlpack = torch.from_dlpack  # type: ignore[attr-defined]
 _utils_from_dlpack = torch.utils.dlpack.from_dlpack
+_from_numpy = torch.from_numpy
+_as_tensor = torch.as_tensor
+_asarray = torch.asarray
+_tensor = torch.tensor
+_s_from_buffer = torch._C.StorageBase.__dict__["from_buffer"]
 
 
 _module: list[Any] = []
@@ -125,13 +143,6 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(int(size), 1)
     return tuple(reversed(strides))
-
-
-def _sizes(args: tuple[Any, ...]) -> tuple[int, ...]:
-    """``resize_(2, 3)`` and ``resize_((2, 3))`` alike."""
-    if len(args) == 1 and not isinstance(args[0], (int, torch.SymInt)):
-        return tuple(_as_int(size) for size in args[0])
-    return tuple(_as_int(size) for size in args)
 
 
 def _seen(storage: torch.UntypedStorage) -> None:
@@ -280,160 +291,203 @@ def _strided(
 def as_strided(
     input: Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None
 ) -> Tensor:
-    _strided("torch.as_strided", input, size, stride, storage_offset)
+    try:
+        _strided("torch.as_strided", input, size, stride, storage_offset)
+    except BoundsError as refused:
+        raise refused.with_traceback(None) from None  # see _aten_guard._set_kernel
     return _as_strided(input, size, stride, storage_offset)
 
 
 def tensor_as_strided(
     self: Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None
 ) -> Tensor:
-    _strided("Tensor.as_strided", self, size, stride, storage_offset)
+    try:
+        _strided("Tensor.as_strided", self, size, stride, storage_offset)
+    except BoundsError as refused:
+        raise refused.with_traceback(None) from None  # see _aten_guard._set_kernel
     return _t_as_strided(self, size, stride, storage_offset)
 
 
 def tensor_as_strided_(
     self: Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None
 ) -> Tensor:
-    _strided("Tensor.as_strided_", self, size, stride, storage_offset)
+    try:
+        _strided("Tensor.as_strided_", self, size, stride, storage_offset)
+    except BoundsError as refused:
+        raise refused.with_traceback(None) from None  # see _aten_guard._set_kernel
     return _t_as_strided_(self, size, stride, storage_offset)
 
 
-def tensor_set_(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    if (len(args) + len(kwargs) >= 3) and type(self) in _PLAIN and not _busy():
-        try:
-            _COUNTS[0] += 1
-            source = args[0] if args else kwargs["source"]
-            offset = _as_int(args[1] if len(args) > 1 else kwargs["storage_offset"])
-            size = args[2] if len(args) > 2 else kwargs["size"]
-            stride = args[3] if len(args) > 3 else kwargs.get("stride")
-            if isinstance(source, torch.Tensor):
-                storage = source.untyped_storage()
-            elif isinstance(source, torch.TypedStorage):
-                storage = source.untyped()  # type: ignore[no-untyped-call]
-            else:
-                storage = source
-            size = tuple(map(_as_int, size))
-            stride = tuple(map(_as_int, stride)) if stride is not None else ()
-            judge = False
-            if all(type(value) is int for value in (offset, *size, *stride)):
-                strides = stride if stride else _contiguous(size)
-                itemsize = self.element_size()
-                end = _extent_elements(offset, size, strides)
-                nbytes = storage.nbytes()
-                judge = type(nbytes) is int and end >= 0 and end * itemsize > nbytes
-        except Exception as error:
-            _error("Tensor.set_", error)
-            judge = False
-        if judge:
-            _placed("Tensor.set_", self, storage, offset, size, strides, itemsize)
-    return _t_set_(self, *args, **kwargs)
+# -- raw memory entering torch -------------------------------------------------------------------
+#
+# Every way memory torch did not allocate becomes a tensor passes one of a few constructors: a
+# buffer (``frombuffer``, ``UntypedStorage.from_buffer``, ``asarray``), a numpy array
+# (``from_numpy``, ``as_tensor``, ``asarray``, ``tensor``), a DLPack capsule (``from_dlpack``).
+# ``ctypes`` memory at an address, a pointer's ``contents``, a ``memoryview`` of either, a numpy
+# array over it: all arrive here as a buffer or an array. Each is judged by where its bytes are
+# (the buffer protocol, the array interface), against the memory the object's owner holds when
+# something owns it (``safeview._memory.owner_extent``), else as a raw pointer against the known
+# memory. A storage that aliases owned memory becomes known memory with the owner's bounds.
 
 
-def _grows(op: str, tensor: Any, shape: tuple[int, ...]) -> None:
-    """``resize_`` of ``tensor`` to ``shape``: judged when it would grow a storage that other
-    tensors use."""
-    if type(tensor) not in _PLAIN or _busy():
+def _owner_of(obj: Any) -> tuple[int, int, str] | None:
+    extent = _memory.owner_extent(obj)
+    return None if extent is None else (*extent, f"the memory of the {type(obj).__name__}")
+
+
+def _judge_span(op: str, address: int, length: int, owner: tuple[int, int, str] | None) -> None:
+    if length <= 0:
         return
+    if owner is not None and owner[0] <= address <= address + length <= owner[0] + owner[1]:
+        return  # inside its owner's memory: nothing to judge
+    _local.busy = True
+    try:
+        _process()._judge_raw(op, address, length, _torch._site, owner)
+    finally:
+        _local.busy = False
+
+
+def _array_span(array: Any) -> tuple[int, int]:
+    """``(address, nbytes)`` of the bytes a numpy array's elements lie in."""
+    address = int(array.__array_interface__["data"][0])
+    low = high = 0
+    for size, stride in zip(array.shape, array.strides):
+        if size == 0:
+            return address, 0
+        if stride < 0:
+            low += (size - 1) * stride
+        else:
+            high += (size - 1) * stride
+    return address + low, high - low + array.itemsize
+
+
+def _is_ndarray(obj: Any) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, numpy.ndarray)
+
+
+def _judge_array(op: str, array: Any) -> tuple[int, int, str] | None:
+    """A numpy array torch is about to alias or copy: its bytes against its owner's memory, or
+    as a raw pointer. The owner's bounds (to know the result by), or ``None``."""
+    if _busy():
+        return None
     try:
         _COUNTS[0] += 1
-        storage = tensor.untyped_storage()
-        itemsize = tensor.element_size()
-        offset = tensor.storage_offset()
-        if type(offset) is not int or any(type(size) is not int for size in shape):
-            return  # symbolic sizes (torch.compile tracing): nothing to judge
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = storage.nbytes()
-        # the tensor itself and the storage object above hold two uses: more are other tensors
-        if (offset + count) * itemsize <= nbytes or nbytes == 0 or _use_count(storage._cdata) <= 2:
-            return
+        address, length = _array_span(array)
+        owner = _owner_of(array)
     except Exception as error:
         _error(op, error)
+        return None
+    _judge_span(op, address, length, owner)
+    return owner
+
+
+def _judge_buffer(
+    op: str, buffer: Any, dtype: Any, count: Any, offset: Any
+) -> tuple[int, int, str] | None:
+    """A buffer torch is about to alias or copy ``count`` items of ``dtype`` from, at byte
+    ``offset``: judged as ``_judge_array``."""
+    if _busy():
+        return None
+    try:
+        address, size = _memory.buffer_span(buffer)
+    except (TypeError, BufferError, ValueError):
+        return None  # not a buffer torch takes: torch says so itself
+    try:
+        _COUNTS[0] += 1
+        itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+        count, offset = int(count), int(offset)
+        length = count * itemsize if count >= 0 else size - offset
+        owner = _owner_of(buffer)
+    except Exception as error:
+        _error(op, error)
+        return None
+    _judge_span(op, address + offset, length, owner)
+    return owner
+
+
+def _know_result(op: str, result: Any, owner: tuple[int, int, str] | None) -> None:
+    """A tensor over memory an object owns: its storage known with the owner's bounds, while it
+    lives (it keeps its owner alive)."""
+    if owner is None or type(result) not in _PLAIN or _busy():
         return
-    _placed(op, tensor, storage, offset, shape, _contiguous(shape), itemsize, growth=True)
+    try:
+        storage = result.untyped_storage()
+        key = storage._cdata
+        address = storage.data_ptr()
+        start, nbytes, _ = owner
+        inside = start <= address <= address + storage.nbytes() <= start + nbytes
+        if key in _known_keys or not inside:
+            return  # a copy (torch's own memory), or a storage known already
+        _known_keys[key] = True
+        # the reference's callback forgets it (the known memory holds the reference: cheaper
+        # than a finalizer, on a path a data loader takes per sample)
+        ref = weakref.ref(storage, lambda _, key=key: _forget(key))
+        _process()._memory.add(
+            key, start, nbytes, str(storage.device), ref, source="buffer", fixed=True
+        )
+    except Exception as error:
+        _error(op, error)
 
 
-def tensor_resize_(self: Tensor, *sizes: Any, **kwargs: Any) -> Tensor:
-    if sizes:
-        try:
-            shape = _sizes(sizes)
-        except Exception:  # not sizes torch takes: torch says so itself
-            shape = ()
-        if shape:
-            _grows("Tensor.resize_", self, shape)
-    return _t_resize_(self, *sizes, **kwargs)
+def frombuffer(
+    buffer: Any, *, dtype: Any, count: int = -1, offset: int = 0, requires_grad: bool = False
+) -> Tensor:
+    owner = _judge_buffer("torch.frombuffer", buffer, dtype, count, offset)
+    result = _frombuffer(
+        buffer, dtype=dtype, count=count, offset=offset, requires_grad=requires_grad
+    )
+    _know_result("torch.frombuffer", result, owner)
+    return result
 
 
-def tensor_resize_as_(self: Tensor, the_template: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    if isinstance(the_template, torch.Tensor):
-        _grows("Tensor.resize_as_", self, tuple(the_template.shape))
-    return _t_resize_as_(self, the_template, *args, **kwargs)
+def storage_from_buffer(cls: Any, buffer: Any, *args: Any, **kwargs: Any) -> Any:
+    # a copy: bytes read past the buffer's memory are a fault as much as a view of them
+    # (torch's own arguments, in its order: byte_order, count, offset, dtype)
+    given = dict(zip(("byte_order", "count", "offset", "dtype"), args), **kwargs)
+    if isinstance(cls, type) and issubclass(cls, UntypedStorage):
+        _judge_buffer(
+            "UntypedStorage.from_buffer", buffer, given.get("dtype"), given.get("count", -1),
+            given.get("offset", 0),
+        )  # fmt: skip
+    return _s_from_buffer.__get__(None, cls)(buffer, *args, **kwargs)
 
 
-def storage_resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
-    if not _busy():
-        judge = False
-        try:
-            _COUNTS[0] += 1
-            nbytes = self.nbytes()
-            # this storage object holds one use: any more are tensors over it
-            judge = int(size) > nbytes > 0 and _use_count(self._cdata) > 1
-        except Exception as error:
-            _error("UntypedStorage.resize_", error)
-        if judge:
-            _local.busy = True
-            try:
-                facts = _torch.storage_facts(self)
-                _process()._judge_view(
-                    "UntypedStorage.resize_", facts, 0, (int(size),), (1,), 1, "uint8",
-                    _torch._site(), True,
-                )  # fmt: skip
-            finally:
-                _local.busy = False
-    resized: torch.UntypedStorage = _s_resize_(self, size)
-    return resized
+_storage_from_buffer: Any = classmethod(storage_from_buffer)
 
 
-_CTYPES = (ctypes._SimpleCData, ctypes.Array, ctypes.Structure, ctypes.Union)
+def from_numpy(array: Any) -> Tensor:
+    owner = _judge_array("torch.from_numpy", array) if _is_ndarray(array) else None
+    result = _from_numpy(array)
+    _know_result("torch.from_numpy", result, owner)
+    return result
 
 
-def _buffer_address(buffer: Any) -> tuple[int, int] | None:
-    """Address and size of a ``ctypes`` object over memory it does not own (``from_address``):
-    a raw address. Other buffers (``bytearray``, numpy arrays, a ``ctypes`` array that owns its
-    memory) know their own length, and torch checks ``offset`` and ``count`` against it."""
-    if not isinstance(buffer, _CTYPES):
-        return None
-    if getattr(buffer, "_b_needsfree_", 1) or getattr(buffer, "_b_base_", None) is not None:
-        return None
-    return ctypes.addressof(buffer), ctypes.sizeof(buffer)
+def as_tensor(data: Any, *args: Any, **kwargs: Any) -> Tensor:
+    if not _is_ndarray(data):
+        return _as_tensor(data, *args, **kwargs)
+    owner = _judge_array("torch.as_tensor", data)
+    result = _as_tensor(data, *args, **kwargs)
+    _know_result("torch.as_tensor", result, owner)
+    return result
 
 
-def frombuffer(buffer: Any, *args: Any, **kwargs: Any) -> Tensor:
-    if not _busy():
-        try:
-            raw = _buffer_address(buffer)
-            if raw is not None:
-                _COUNTS[0] += 1
-                address, size = raw
-                dtype = kwargs.get("dtype", args[0] if args else None)
-                count = int(kwargs.get("count", -1))
-                offset = int(kwargs.get("offset", 0))
-                itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
-                length = count * itemsize if count >= 0 else size - offset
-                judge = True
-            else:
-                judge = False
-        except Exception as error:
-            _error("torch.frombuffer", error)
-            judge = False
-        if judge:
-            _local.busy = True
-            try:
-                _process()._judge_raw("torch.frombuffer", address + offset, length, _torch._site)
-            finally:
-                _local.busy = False
-    return _frombuffer(buffer, *args, **kwargs)
+def asarray(obj: Any, *args: Any, **kwargs: Any) -> Tensor:
+    if _is_ndarray(obj):
+        owner = _judge_array("torch.asarray", obj)
+    elif isinstance(obj, _memory.BUFFERS):
+        owner = _judge_buffer("torch.asarray", obj, None, -1, 0)
+    else:
+        return _asarray(obj, *args, **kwargs)
+    result = _asarray(obj, *args, **kwargs)
+    _know_result("torch.asarray", result, owner)
+    return result
+
+
+def tensor(data: Any, *args: Any, **kwargs: Any) -> Tensor:
+    if _is_ndarray(data):  # a copy of the array's bytes: read past its memory is a fault too
+        _judge_array("torch.tensor", data)
+    return _tensor(data, *args, **kwargs)
 
 
 def _judge_dlpack(op: str, result: Any) -> None:
@@ -457,16 +511,23 @@ def _judge_dlpack(op: str, result: Any) -> None:
         _local.busy = False
 
 
-def from_dlpack(ext_tensor: Any, *args: Any, **kwargs: Any) -> Tensor:
-    result = _from_dlpack(ext_tensor, *args, **kwargs)
-    _judge_dlpack("torch.from_dlpack", result)
+def _dlpack(op: str, original: Any, ext_tensor: Any, args: Any, kwargs: Any) -> Tensor:
+    if _is_ndarray(ext_tensor):  # judged as from_numpy: against what owns the array's bytes
+        owner = _judge_array(op, ext_tensor)
+        result: Tensor = original(ext_tensor, *args, **kwargs)
+        _know_result(op, result, owner)
+        return result
+    result = original(ext_tensor, *args, **kwargs)
+    _judge_dlpack(op, result)
     return result
+
+
+def from_dlpack(ext_tensor: Any, *args: Any, **kwargs: Any) -> Tensor:
+    return _dlpack("torch.from_dlpack", _from_dlpack, ext_tensor, args, kwargs)
 
 
 def utils_from_dlpack(ext_tensor: Any, *args: Any, **kwargs: Any) -> Tensor:
-    result = _utils_from_dlpack(ext_tensor, *args, **kwargs)
-    _judge_dlpack("torch.utils.dlpack.from_dlpack", result)
-    return result
+    return _dlpack("torch.utils.dlpack.from_dlpack", _utils_from_dlpack, ext_tensor, args, kwargs)
 
 
 # -- installing ------------------------------------------------------------------------------
@@ -475,13 +536,14 @@ _PATCHES: tuple[tuple[Any, str, Callable[..., Any]], ...] = (
     (torch, "as_strided", as_strided),
     (Tensor, "as_strided", tensor_as_strided),
     (Tensor, "as_strided_", tensor_as_strided_),
-    (Tensor, "set_", tensor_set_),
     (torch, "frombuffer", frombuffer),
-    (Tensor, "resize_", tensor_resize_),
-    (Tensor, "resize_as_", tensor_resize_as_),
-    (UntypedStorage, "resize_", storage_resize_),
     (torch, "from_dlpack", from_dlpack),
     (torch.utils.dlpack, "from_dlpack", utils_from_dlpack),
+    (UntypedStorage, "from_buffer", _storage_from_buffer),
+    (torch, "from_numpy", from_numpy),
+    (torch, "as_tensor", as_tensor),
+    (torch, "asarray", asarray),
+    (torch, "tensor", tensor),
 )
 
 

@@ -15,12 +15,15 @@ by the one checker (``safeview.check.bounds``) before torch runs it:
   use, raises ``BoundsError`` and nothing is made, moved or resized;
 - under ``warn`` a ``bounds_violation`` event, and the call goes on exactly as without safeview.
 
-A raw address (``torch.frombuffer`` over ``ctypes`` memory, a DLPack capsule) is judged against
-the memory the guard knows: storages of tensors it has seen made into views, and the layers
-handed to ``know`` (the vLLM plugin hands it every connector's ``register_kv_caches``;
-``safeview.kv.block_views`` and ``check_tensors`` theirs). An address inside a known storage
-whose span runs past its end, or out of its layer into another known layer's bytes, is refused
-under strict; an address it knows nothing about is let through and counted. The local rows
+A raw address (``ctypes`` memory at an address however wrapped, a numpy array over it, a DLPack
+capsule) is judged against the memory the guard knows, with its real bounds: storages of tensors
+it has seen made into views, the layers handed to ``know`` (the vLLM plugin hands it every
+connector's ``register_kv_caches``; ``safeview.kv.block_views`` and ``check_tensors`` theirs),
+the memory a Python buffer or numpy array owns once a tensor aliases it, and mappings of files
+and shared memory (``safeview._memory``). An address whose span runs past the end of its memory,
+or out of its layer into another known layer's bytes, or that starts exactly at the end of an
+allocation where no other allocation begins, is refused under strict; an address it knows
+nothing about is let through and counted. The local rows
 handed to NIXL's agents and Mooncake's engines are judged the same way
 (``safeview._engine_hooks``), by ``safeview.transfer``'s descriptor check. The events
 ``process_guard_started`` (once) and ``process_guard_stopped`` (at exit, with the counts) say
@@ -38,6 +41,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from safeview import _memory as _memory_of
 from safeview import _startup, log
 from safeview.check import bounds
 from safeview.errors import ArgumentError, BoundsError
@@ -82,11 +86,16 @@ _lock = threading.RLock()
 class _Storage:
     """A storage (an allocation) the guard knows: where it is, its size, the layers in it."""
 
-    __slots__ = ("address", "device", "key", "layers", "name", "nbytes", "pages", "ref", "source")
+    __slots__ = (
+        "address", "device", "fixed", "key", "layers", "name", "nbytes", "pages", "ref", "source",
+    )  # fmt: skip
 
     def __init__(
         self, key: Any, name: str, address: int, nbytes: int, device: str, ref: Any, source: str
     ) -> None:
+        # fixed: memory torch did not allocate (a buffer's owner, a mapping): its extent is the
+        # owner's, not the storage's window, and never moves
+        self.fixed = False
         self.key = key
         self.name = name
         self.address = address
@@ -110,15 +119,27 @@ class _Memory:
         self._map: Any = None  # the transfer checks' MemoryMap of it, made when asked
 
     def add(
-        self, key: Any, address: int, nbytes: int, device: str, ref: Any, *, source: str
+        self,
+        key: Any,
+        address: int,
+        nbytes: int,
+        device: str,
+        ref: Any,
+        *,
+        source: str,
+        fixed: bool = False,
+        name: str | None = None,
     ) -> _Storage:
         with _lock:
             known = self.storages.get(key)
             if known is None:
-                known = _Storage(key, f"storage{self._named}", address, nbytes, device, ref, source)
-                self._named += 1
+                known = _Storage(
+                    key, name or f"storage{self._named}", address, nbytes, device, ref, source
+                )
+                known.fixed = fixed
+                self._named += name is None
                 self.storages[key] = known
-            else:
+            elif not known.fixed:  # a fixed extent is the owner's: a window never narrows it
                 known.address, known.nbytes = address, nbytes
             self._index = self._map = None
             return known
@@ -144,7 +165,7 @@ class _Memory:
                 now = _entry_guard.live(storage.ref)
                 if now is None:
                     del self.storages[key]
-                else:
+                elif not storage.fixed:
                     storage.address, storage.nbytes = now
             ordered = sorted(self.storages.values(), key=lambda s: (s.address, -s.nbytes))
             if self._index is None or self._index[1] != ordered:
@@ -175,8 +196,48 @@ class _Memory:
             return self._map
 
     def at(self, address: int) -> _Storage | None:
-        """The known storage whose bytes hold ``address``, or the one that ends exactly there
-        (the first byte past a storage: the usual off-by-one), or ``None``."""
+        """The known storage whose bytes hold ``address``; else the one that ends exactly there
+        (the first byte past a storage: the usual off-by-one) unless that byte belongs to
+        another allocation (``safeview._memory.other_allocation``); else the mapping of a file
+        or of shared memory that holds it (``mapped``); else ``None``."""
+        storage = self._at(address)
+        if storage is not None and storage.address <= address < storage.address + storage.nbytes:
+            return storage
+        if storage is not None and not _memory_of.other_allocation(
+            storage.device, address - 1, address
+        ):
+            return storage
+        return self.mapped(address)
+
+    def mapped(self, address: int) -> _Storage | None:
+        """The mapping of a file or of shared memory (``/proc/self/maps``) that holds
+        ``address``, known from now on as one allocation (named by its file), or ``None``."""
+        if not _memory_of.maps_available():
+            return None
+        mapping = _memory_of.mapping_at(address)
+        if mapping is None or not mapping.data:
+            return None
+        key = ("mapping", mapping.start, mapping.end, mapping.inode, mapping.offset)
+        known = self.storages.get(key)
+        if known is None:
+            known = self.add(
+                key, mapping.start, mapping.data_end() - mapping.start, "cpu", None,
+                source="mapping", fixed=True, name=mapping.path or f"mapping {mapping.start:#x}",
+            )  # fmt: skip
+        return known
+
+    def drop_stale(self) -> None:
+        """Forget the mappings that ``/proc/self/maps``, as last read, no longer holds."""
+        now = {
+            ("mapping", m.start, m.end, m.inode, m.offset) for m in _memory_of.current_mappings()
+        }
+        with _lock:
+            for key, storage in list(self.storages.items()):
+                if storage.source == "mapping" and key not in now:
+                    del self.storages[key]
+                    self._index = self._map = None
+
+    def _at(self, address: int) -> _Storage | None:
         index = self._index or self._refresh()
         starts, ordered = index
         at = bisect.bisect_right(starts, address) - 1
@@ -216,7 +277,10 @@ def know(layers: Mapping[str, Any]) -> None:
             if described is None:
                 continue
             key, address, nbytes, device, ref, first, end = described
-            storage = _memory.add(key, address, nbytes, device, ref, source="layers")
+            storage = _region_of(key, address, nbytes, device, ref, tensor)
+            # offsets from the start of the memory the storage is a window onto
+            shift = address - storage.address
+            first, end = first + shift, end + shift
             page, stride, blocks = _entry_guard.pages_of(tensor)
             spans.setdefault(storage.key, []).append(
                 ((first, end, str(name)), (str(name), first, page, stride, blocks))
@@ -227,6 +291,16 @@ def know(layers: Mapping[str, Any]) -> None:
             storage.layers = sorted({*storage.layers, *(span for span, _ in found)})
             storage.pages = sorted({*storage.pages, *(pages for _, pages in found)})
         _memory._map = None
+
+
+def _region_of(key: Any, address: int, nbytes: int, device: str, ref: Any, tensor: Any) -> _Storage:
+    """The known memory a layer's storage is: itself when torch allocated it or the guard knows
+    its owner already; the file or shared-memory mapping it lies in; else its own bytes."""
+    if key not in _memory.storages and device == "cpu" and not tensor.untyped_storage().resizable():
+        mapping = _memory.mapped(address)
+        if mapping is not None and address + nbytes <= mapping.address + mapping.nbytes:
+            return mapping
+    return _memory.add(key, address, nbytes, device, ref, source="layers")
 
 
 def learn_layers(layers: Any) -> None:
@@ -343,27 +417,45 @@ def _judge_view(
 
 
 def _judge_raw(
-    op: str, address: int, length: int, where: Callable[[], tuple[tuple[str, int, str], bool]]
+    op: str,
+    address: int,
+    length: int,
+    where: Callable[[], tuple[tuple[str, int, str], bool]],
+    owner: tuple[int, int, str] | None = None,
 ) -> None:
-    """``length`` bytes at a raw ``address``, about to become a tensor: judged against the known
-    memory. Unknown addresses are counted and let through. ``where()`` finds the call site (only
-    for a violation: walking the stack costs more than the check)."""
+    """``length`` bytes at a raw ``address``, about to become a tensor (or be copied into one):
+    judged against ``owner`` (``(address, nbytes, name)`` of the memory the object handed to
+    torch owns) when it is given, else against the known memory. Unknown addresses are counted
+    and let through. ``where()`` finds the call site (only for a violation: walking the stack
+    costs more than the check)."""
     try:
-        storage = _memory.at(address)
-        if storage is None:
-            _counts[3] += 1
-            return
-        byte_offset = address - storage.address
-        extent = byte_offset + max(length, 0)
-        layer, region = _layer_region(storage, byte_offset, extent)
-        found = bounds(
-            layer,
-            storage=storage.name,
-            byte_offset=byte_offset,
-            extent_bytes=extent,
-            storage_nbytes=storage.nbytes,
-            region=region,
-        )
+        for attempt in range(2):
+            if owner is not None:
+                start, nbytes, name = owner
+                storage = _Storage(None, name, start, nbytes, "cpu", None, "buffer")
+            else:
+                found_storage = _memory.at(address)
+                if found_storage is None:
+                    _counts[3] += 1
+                    return
+                storage = found_storage
+            byte_offset = address - storage.address
+            extent = byte_offset + max(length, 0)
+            layer, region = _layer_region(storage, byte_offset, extent)
+            found = bounds(
+                layer,
+                storage=storage.name,
+                byte_offset=byte_offset,
+                extent_bytes=extent,
+                storage_nbytes=storage.nbytes,
+                region=region,
+            )
+            if not found or storage.source != "mapping" or attempt:
+                break
+            # a mapping known from an earlier read of /proc/self/maps may be gone: read it
+            # again before refusing
+            _memory_of.mapping_at(address, fresh=True)
+            _memory.drop_stale()
         geometry = {"byte_offset": byte_offset, "address": address, "length_bytes": length}
     except Exception as error:
         _internal_error(op, error)
@@ -390,16 +482,22 @@ def _judge_rows(source: str, rows: Any) -> None:
 
     try:
         _counts[0] += 1
-        kept = []
-        for row in rows:
-            row = tuple(int(value) for value in row)
-            if _memory.at(row[0]) is None:
-                _counts[3] += 1
-            else:
-                kept.append(row)
+        rows = [tuple(int(value) for value in row) for row in rows]
+        kept, mapped = _known_rows(rows)
         if not kept:
             return
         memory = _memory.memory_map()
+        if mapped and _check(
+            kept, memory, whole_pages=False, writes=False, active=Policy.OFF, source=source
+        ):
+            # a finding on a mapping known from an earlier read of /proc/self/maps, which may
+            # be gone: read it again before judging
+            _memory_of.mapping_at(mapped[0], fresh=True)
+            _memory.drop_stale()
+            kept, _ = _known_rows(rows, count=False)
+            if not kept:
+                return
+            memory = _memory.memory_map()
     except Exception as error:
         _internal_error(source, error)
         return
@@ -414,6 +512,21 @@ def _judge_rows(source: str, rows: Any) -> None:
         return
     if found:
         _counts[2] += 1
+
+
+def _known_rows(rows: list[tuple[int, ...]], *, count: bool = True) -> tuple[list[Any], list[int]]:
+    """The rows that start in known memory, and the addresses of those in a mapping; the others
+    counted as unknown addresses (when ``count``)."""
+    kept, mapped = [], []
+    for row in rows:
+        storage = _memory.at(row[0])
+        if storage is None:
+            _counts[3] += count
+        else:
+            kept.append(row)
+            if storage.source == "mapping":
+                mapped.append(row[0])
+    return kept, mapped
 
 
 def _layer_region(
@@ -451,9 +564,10 @@ def _on_import(name: str, module: ModuleType, policy: str) -> None:
     if _state["policy"] is None:
         _begin(coerce_policy(policy, source=ENV_GUARD), source=ENV_GUARD)
     if name == "torch":
-        from safeview import _entry_guard
+        from safeview import _aten_guard, _entry_guard
 
         _entry_guard.install(sys.modules[__name__])
+        _aten_guard.install()  # set_ and resize_ at the dispatcher, and the storage's resize_
     elif name.endswith("._api") and name.startswith("nixl"):
         from safeview import _engine_hooks
 
@@ -505,8 +619,9 @@ def stop() -> None:
     what it did."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _startup.Finder)]
     if "safeview._entry_guard" in sys.modules:
-        from safeview import _entry_guard
+        from safeview import _aten_guard, _entry_guard
 
+        _aten_guard.uninstall()
         _entry_guard.uninstall()
     if _state["policy"] is not None:
         _closing()

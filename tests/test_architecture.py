@@ -14,7 +14,7 @@ PACKAGE = Path(safeview.__file__).parent
 
 # The torch boundary: storages, geometry and views; the dispatch-level guard; the process-wide
 # guard's entry-point patches. Everything else works on integers.
-TORCH_BOUNDARY = {"_torch", "_torch_dispatch", "_entry_guard"}
+TORCH_BOUNDARY = {"_torch", "_torch_dispatch", "_entry_guard", "_aten_guard", "_memory"}
 MAX_LINES = 800
 
 

@@ -14,6 +14,9 @@ with ``SAFEVIEW_GUARD=strict`` and without it:
 - faults (a layer shape larger than the allocation, a wrong offset into the shared-memory
   storage, a pointer list shifted by one layer) are refused before a byte outside the allocation
   is read or written, with the layer and the numbers;
+- the same faults over the layers moved onto LMCache's POSIX shared-memory segment (memory
+  torch did not allocate, known by its mapping) are refused at the segment's end, and the clean
+  runs over it are byte-identical and leave no raw address unknown;
 - LMCache's resolved format (its ``kv_layout`` hint and its detector), as a layout manifest,
   diffed against the manifest vLLM's strides give: an HND cache read as NHD is named.
 
@@ -54,20 +57,21 @@ TOKENS = 20
 # -- the child: LMCache's own functions over a vLLM 0.33 cache ------------------------------------
 
 
-def _vllm_kv_caches() -> tuple[Any, dict[str, Any]]:
+def _vllm_kv_caches(blocks: int = BLOCKS) -> tuple[Any, dict[str, Any]]:
     """One int8 buffer, each layer a ``[B, H, N, C]`` float16 view of it with vLLM 0.33's
     ``LBNHC`` strides (``create_kv_cache_views``), filled with the same numbers every run."""
     import torch
 
-    raw = torch.zeros(LAYERS * LAYER_BYTES, dtype=torch.int8)
+    layer_bytes = blocks * PAGE
+    raw = torch.zeros(LAYERS * layer_bytes, dtype=torch.int8)
     content = 2 * HEAD_SIZE * ITEMSIZE  # bytes of one head of one token: K then V
     caches = {}
     for layer in range(LAYERS):
         view = torch.as_strided(
             raw,
-            (BLOCKS, HEADS, BLOCK_SIZE, content),
+            (blocks, HEADS, BLOCK_SIZE, content),
             (BLOCK_SIZE * HEADS * content, content, HEADS * content, 1),
-            layer * LAYER_BYTES,
+            layer * layer_bytes,
         )
         caches[f"model.layers.{layer}"] = view.view(torch.float16)
     numbers = torch.Generator().manual_seed(0)
@@ -100,6 +104,8 @@ def _child(case: str) -> dict[str, Any]:
     from lmcache.v1.platform.devices.cpu.shm import migrate_to_shm_and_wrap
     from lmcache.v1.platform.torch_ops.mem_kernels import multi_layer_kv_transfer
 
+    if case.startswith("shm_"):
+        return _shm_child(case)
     raw, caches = _vllm_kv_caches()
     layers = list(caches.values())
     guarded = bool(os.environ.get("SAFEVIEW_GUARD"))
@@ -180,6 +186,90 @@ def _child(case: str) -> dict[str, Any]:
             torch.equal(w.to_tensor(), cache_) for w, cache_ in zip(wrappers[:-1], layers[:-1])
         )
     if guarded:
+        from safeview import process
+
+        report["counts"] = process.counts()._asdict()
+    return report
+
+
+# The shared-memory segments: layers of five blocks (15,360 bytes in all, not a whole number of
+# 4 KiB pages), so the byte after the segment is in its own mapping's last page, whatever the
+# kernel placed after that mapping
+SHM_BLOCKS = 5
+SHM_LAYER_BYTES = SHM_BLOCKS * PAGE
+
+
+def _shm_child(case: str) -> dict[str, Any]:
+    """LMCache's CPU shared-memory path: the engine's layers moved onto a POSIX segment
+    (``migrate_to_shm_and_wrap``), the "server" mapping the same segment (``to_tensor``), and
+    LMCache's raw-pointer code over both. No layer is told to the guard: the segment is memory
+    torch did not allocate, known by its mapping."""
+    import torch
+    from lmcache.lmcache_native import TransferDirection
+    from lmcache.v1.gpu_connector.kv_format.detectors.vllm import VLLM_Detector
+    from lmcache.v1.platform.devices.cpu.device_ops import CpuDeviceOps
+    from lmcache.v1.platform.devices.cpu.shm import migrate_to_shm_and_wrap
+    from lmcache.v1.platform.torch_ops.mem_kernels import multi_layer_kv_transfer
+
+    _, caches = _vllm_kv_caches(SHM_BLOCKS)
+    layers = list(caches.values())
+    wrappers = [migrate_to_shm_and_wrap(cache_) for cache_ in layers]
+    server = [wrapper.to_tensor() for wrapper in wrappers]
+    engine_format, _ = VLLM_Detector().discover(layers, {"kv_layout": "NHD"})
+    cpu = torch.device("cpu")
+    ops = CpuDeviceOps()
+    pointers = torch.tensor([cache_.data_ptr() for cache_ in layers], dtype=torch.int64)
+    slots = torch.arange(TOKENS, dtype=torch.long) * 3 % (SHM_BLOCKS * BLOCK_SIZE)
+    segment = layers[0].untyped_storage()
+    report: dict[str, Any] = {"segment_nbytes": segment.nbytes()}
+
+    def segment_digest() -> str:
+        flat = torch.empty(0, dtype=torch.uint8).set_(segment)
+        return _digest(flat)
+
+    if case == "shm_clean":
+        shape = (SHM_BLOCKS, BLOCK_SIZE, HEADS, 2 * HEAD_SIZE)
+        report["tensor_from_ptr"] = [
+            _digest(ops.tensor_from_ptr(tensor.data_ptr(), shape, torch.float16, cpu))
+            for tensor in server
+        ]
+        key_value = torch.zeros(2, LAYERS, TOKENS, HEADS * HEAD_SIZE, dtype=torch.float16)
+        multi_layer_kv_transfer(
+            key_value, pointers, slots, cpu, SHM_BLOCKS * BLOCK_SIZE, TransferDirection.D2H,
+            engine_format,
+        )  # fmt: skip
+        report["read"] = _digest(key_value)
+        multi_layer_kv_transfer(
+            key_value + 1, pointers, slots, cpu, SHM_BLOCKS * BLOCK_SIZE,
+            TransferDirection.H2D, engine_format,
+        )  # fmt: skip
+        report["written"] = segment_digest()
+        report["server_sees_it"] = all(torch.equal(a, b) for a, b in zip(server, layers))
+    elif case == "shm_fault_shape":
+        # one block more than the segment holds per layer, written from LMCache
+        key_value = torch.ones(2, LAYERS, TOKENS, HEADS * HEAD_SIZE, dtype=torch.float16)
+        report["transfer"] = _outcome(
+            lambda: multi_layer_kv_transfer(
+                key_value, pointers, slots, cpu, (SHM_BLOCKS + 1) * BLOCK_SIZE,
+                TransferDirection.H2D, engine_format,
+            )
+        )  # fmt: skip
+        # the server's own mapping of the segment, read with a shape one block too large
+        shape = (SHM_BLOCKS + 1, BLOCK_SIZE, HEADS, 2 * HEAD_SIZE)
+        report["tensor_from_ptr"] = _outcome(
+            lambda: ops.tensor_from_ptr(server[-1].data_ptr(), shape, torch.float16, cpu)
+        )
+    elif case == "shm_fault_shifted_pointers":
+        shifted = pointers + SHM_LAYER_BYTES
+        key_value = torch.zeros(2, LAYERS, TOKENS, HEADS * HEAD_SIZE, dtype=torch.float16)
+        report["transfer"] = _outcome(
+            lambda: multi_layer_kv_transfer(
+                key_value, shifted, slots, cpu, SHM_BLOCKS * BLOCK_SIZE, TransferDirection.D2H,
+                engine_format,
+            )
+        )  # fmt: skip
+        report["copied"] = [bool(key_value[:, layer].any()) for layer in range(LAYERS)]
+    if os.environ.get("SAFEVIEW_GUARD"):
         from safeview import process
 
         report["counts"] = process.counts()._asdict()
@@ -326,6 +416,49 @@ def test_wrong_offset_into_the_shared_memory_storage_is_refused_before_the_view(
     assert (rebuilt["byte_offset"], rebuilt["extent_bytes"]) == (start, start + LAYER_BYTES)
     assert rebuilt["limit_bytes"] == LAYERS * LAYER_BYTES
     assert report["other_layers"] is True
+
+
+def test_shared_memory_clean_runs_are_byte_identical_and_the_segment_is_known_memory() -> None:
+    plain = _run("shm_clean", None)
+    guarded = _run("shm_clean", "strict")
+    counts = guarded.pop("counts")
+    assert guarded == plain
+    assert plain["segment_nbytes"] == LAYERS * SHM_LAYER_BYTES
+    assert plain["server_sees_it"] is True
+    assert len(set(plain["tensor_from_ptr"])) == LAYERS
+    assert counts["refused"] == counts["warned"] == counts["internal_errors"] == 0
+    # every raw pointer LMCache wrapped lies in the segment, judged against its mapping
+    assert counts["unknown_addresses"] == 0
+    assert counts["judged"] >= 3 * LAYERS
+
+
+def _past_the_segment(outcome: dict[str, Any], start: int, overflow: int) -> None:
+    assert outcome["error"] == "BoundsError", outcome
+    assert (outcome["byte_offset"], outcome["limit_bytes"]) == (start, LAYERS * SHM_LAYER_BYTES)
+    assert outcome["overflow_bytes"] == overflow
+    assert "but storage '/dev/shm/lmcache_kv_" in outcome["message"]
+    assert "in tensor_from_ptr" in outcome["message"]
+
+
+def test_shared_memory_layer_shape_one_block_larger_is_refused_at_the_segment_end() -> None:
+    # unknown layers (no plugin): the first layers run into their neighbours inside the
+    # segment, which no bound can tell; the last, past the segment, is refused
+    report = _run("shm_fault_shape", "strict")
+    last = (LAYERS - 1) * SHM_LAYER_BYTES
+    _past_the_segment(report["transfer"], last, PAGE)
+    assert report["transfer"]["extent_bytes"] == last + SHM_LAYER_BYTES + PAGE
+    # the server's own mapping of the segment, read one block too far: refused the same way
+    _past_the_segment(report["tensor_from_ptr"], last, PAGE)
+    assert report["counts"]["refused"] == 2
+    assert report["counts"]["unknown_addresses"] == 0
+
+
+def test_shared_memory_pointer_list_shifted_by_one_layer_is_refused_at_the_segment_end() -> None:
+    report = _run("shm_fault_shifted_pointers", "strict")
+    end = LAYERS * SHM_LAYER_BYTES
+    _past_the_segment(report["transfer"], end, SHM_LAYER_BYTES)
+    assert report["transfer"]["extent_bytes"] == end + SHM_LAYER_BYTES
+    assert report["copied"] == [True] * (LAYERS - 1) + [False]
 
 
 def test_hnd_cache_read_as_nhd_is_named_by_the_manifest_diff() -> None:
