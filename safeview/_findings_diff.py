@@ -123,14 +123,23 @@ class DiffFindings:
         layer: str | None,
         *,
         rank: int,
-        receiver_rank: int,
+        receiver_rank: int | None,
         sender_ranks: tuple[int, ...] = (),
         where: str = "",
+        side: Literal["sender", "receiver"] = "sender",
+        tp_size: int | None = None,
     ) -> Finding:
-        """No sender manifest for ``rank`` (``layer`` None), or the rank-``rank`` sender
-        manifest that ``layer`` of ``receiver_rank`` reads from (or its layer) is missing."""
-        if layer is None:
-            message = f"no sender manifest for rank {rank}"
+        """No ``side`` manifest for ``rank`` (``layer`` None; ``tp_size`` the TP size that side
+        declares), or the rank-``rank`` sender manifest that ``layer`` of ``receiver_rank``
+        reads from (or its layer) is missing."""
+        if layer is None and tp_size is not None:
+            judged = "is not judged" if side == "receiver" else "is read by no receiver rank judged"
+            message = (
+                f"the {side} declares TP {tp_size} but no manifest of its rank {rank} was "
+                f"given: rank {rank} {judged}"
+            )
+        elif layer is None:
+            message = f"no {side} manifest for rank {rank}"
         else:
             message = f"{layer}: the sender's rank {rank} manifest (or its layer) is missing{where}"
         return _finding(

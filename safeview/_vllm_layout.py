@@ -58,8 +58,8 @@ from safeview.manifest import (
     Manifest,
     Topology,
     derive,
-    heads_of_rank,
     layer_from_geometry,
+    layer_heads,
     vllm_axes,
 )
 from safeview.policy import Policy
@@ -182,6 +182,7 @@ def _worker_topology(worker: Any) -> Topology:
         engine=str(worker.engine_id),
         engine_version=f"vllm {_vllm_version()}",
         layout=str(worker.kv_cache_layout),
+        connector="NixlConnector",  # whose rule safeview diff applies: vllm_nixl
     )
 
 
@@ -212,6 +213,7 @@ def _connector_topology(connector: Any) -> Topology:
         engine=None if engine_id is None else str(engine_id),
         engine_version=f"vllm {_vllm_version()}",
         layout=None if layout is None else str(getattr(layout, "name", layout)),
+        connector=type(connector).__name__,
     )
 
 
@@ -304,9 +306,11 @@ def _page_order(layout: str) -> str:
 
 def _rebuilt_layer(
     name: str, mine: Layer, page: int, stride: int, blocks: int, tokens: int, layout: str,
-    heads: tuple[int, ...],
+    rank: tuple[int, int, int | None],
 ) -> Layer:  # fmt: skip
-    """P's layer ``name`` as its metadata reports it, with D's dtype and head size."""
+    """P's layer ``name`` as its metadata reports it, with D's dtype and head size; ``rank``:
+    P's rank, TP size and the model's total KV heads (the layer's own, where its page says
+    another number of heads: ``layer_heads``)."""
     itemsize = mine.itemsize
     element = mine.size_of("element")
     if stride % itemsize:
@@ -335,8 +339,6 @@ def _rebuilt_layer(
             f"values of {itemsize} bytes"
         )
     count = page // (tokens * row * itemsize)
-    if len(heads) != count:
-        heads = tuple(range(heads[0] if heads else 0, (heads[0] if heads else 0) + count))
     if _page_order(layout) == "HNC":
         strides = (stride // itemsize, tokens * row, row, 1)
     else:
@@ -348,7 +350,7 @@ def _rebuilt_layer(
         strides_elements=strides,
         byte_offset=0,
         dtype=mine.dtype,
-        heads=heads,
+        heads=layer_heads(rank[0], rank[1], rank[2], count),
         group=mine.group,
     )
 
@@ -368,10 +370,16 @@ def rebuild(metadata: Any, remote_tp_size: int, mine: Manifest) -> list[Manifest
     total = mine.topology.total_kv_heads or 1
     manifests = []
     for rank in range(remote_tp_size):
-        held = heads_of_rank(rank, remote_tp_size, total)
         layers = {
             name: _rebuilt_layer(
-                name, mine.layers[name], page, stride, blocks, tokens, layout, held
+                name,
+                mine.layers[name],
+                page,
+                stride,
+                blocks,
+                tokens,
+                layout,
+                (rank, remote_tp_size, total),
             )
             for name, page, stride, blocks in zip(names, lens, strides, counts)
             if name in mine.layers and mine.layers[name].kind != "state"
@@ -385,6 +393,7 @@ def rebuild(metadata: Any, remote_tp_size: int, mine: Manifest) -> list[Manifest
             kernel_block_tokens=tokens,
             engine=str(metadata.engine_id),
             layout=layout,
+            connector="NixlConnector",
         )
         manifests.append(Manifest(topology=topology, layers=layers))
     return manifests

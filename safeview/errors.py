@@ -102,6 +102,7 @@ class BoundsError(SafeViewError):
         op: str | None = None,
         site: str | None = None,
         more: Sequence[Finding] = (),
+        also: str = "",
     ) -> None:
         self.finding = finding
         self.findings = (finding, *more)
@@ -128,8 +129,10 @@ class BoundsError(SafeViewError):
                 + ", ".join(names)
                 + (f" and {rest} more" if rest else "")
             )
+        # ``also``: what else the same check found, in words (views that overlap their
+        # neighbours too, when one wrong page size runs through every layer)
         super().__init__(
-            f"{finding.message}{_where(site, op)} [device {device}, policy {policy}]{tail}"
+            f"{finding.message}{_where(site, op)} [device {device}, policy {policy}]{tail}{also}"
         )
 
 
@@ -199,7 +202,15 @@ class ManifestError(SafeViewError, ValueError):
         self.field = field
         self.value = value
         self.limit = limit
-        super().__init__(f"{field}: {value!r} {limit}")
+        # the value is shown short (a whole manifest can be the value pydantic refuses), and not
+        # at all when there is none (a path that cannot be read)
+        shown = "" if value is None else f"{_brief(value)} "
+        super().__init__(f"{field}: {shown}{limit}")
+
+
+def _brief(value: object, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else f"{text[: width - 3]}..."
 
 
 class LayoutMismatchError(SafeViewError):

@@ -25,7 +25,7 @@ from safeview import _nixl_rules
 from safeview._meaning import Meaning
 from safeview.errors import ArgumentError, LayoutMismatchError, ManifestError
 from safeview.findings import Finding
-from safeview.manifest import Layer, Manifest
+from safeview.manifest import CONNECTOR_RULES, Layer, Manifest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,7 +53,9 @@ had before: ``kind``, ``layer``, ``message``, ``byte``, ``block``, ``receiver_ra
 class DiffReport:
     """The verdict: ``compatible`` when every paired layer's filled bytes mean the same to both
     sides and nothing is missing; ``findings`` otherwise; ``layers`` the names compared;
-    ``skipped`` layers not judged, with why."""
+    ``skipped`` layers not judged, with why; ``rule_from`` why this rule (``given``, or the
+    connector the manifests name, or ``default``); ``sender_ranks`` and ``receiver_ranks`` the
+    TP ranks judged, of ``sender_tp_size`` and ``receiver_tp_size``."""
 
     rule: Rule
     findings: tuple[Finding, ...]
@@ -61,6 +63,17 @@ class DiffReport:
     sender_fingerprints: tuple[str, ...]
     receiver_fingerprints: tuple[str, ...]
     skipped: dict[str, str] = field(default_factory=dict)
+    rule_from: str = "given"
+    sender_ranks: tuple[int, ...] = (0,)
+    receiver_ranks: tuple[int, ...] = (0,)
+    sender_tp_size: int = 1
+    receiver_tp_size: int = 1
+
+    def ranks(self) -> str:
+        """The ranks judged, in words: ``sender ranks 0-1 of TP 2, receiver rank 0 of TP 4``."""
+        return f"{_ranks_words('sender', self.sender_ranks, self.sender_tp_size)}, " + (
+            _ranks_words("receiver", self.receiver_ranks, self.receiver_tp_size)
+        )
 
     @property
     def compatible(self) -> bool:
@@ -75,13 +88,26 @@ class DiffReport:
         return {
             "$schema": DIFF_SCHEMA,
             "rule": self.rule,
+            "rule_from": self.rule_from,
             "verdict": "compatible" if self.compatible else "mismatch",
+            "sender_ranks": list(self.sender_ranks),
+            "sender_tp_size": self.sender_tp_size,
+            "receiver_ranks": list(self.receiver_ranks),
+            "receiver_tp_size": self.receiver_tp_size,
             "layers_compared": len(self.layers),
             "sender_fingerprints": list(self.sender_fingerprints),
             "receiver_fingerprints": list(self.receiver_fingerprints),
             "skipped": dict(self.skipped),
             "findings": [finding.to_json() for finding in self.findings],
         }
+
+
+def _ranks_words(side: str, ranks: tuple[int, ...], tp_size: int) -> str:
+    if len(ranks) == 1:
+        return f"{side} rank {ranks[0]} of TP {tp_size}"
+    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{side} ranks {ranks[0]}-{ranks[-1]} of TP {tp_size}"
+    return f"{side} ranks {', '.join(map(str, ranks))} of TP {tp_size}"
 
 
 def _numpy() -> Any:
@@ -278,23 +304,28 @@ def _placement(layer: Layer) -> tuple[Any, ...]:
     return (layer.fingerprint, layer.block_stride_bytes, layer.num_blocks, outer)
 
 
-def _compare_in_place(receiver: Layer, sender: Layer) -> _Result:
-    key = (
-        "in_place",
-        _placement(receiver),
-        _placement(sender),
-        receiver.byte_offset - sender.byte_offset,
-    )
-    return _remembered(key, lambda: _read_in_place(receiver, sender))
+def _compare_in_place(receiver: Layer, sender: Layer, per_layer: bool) -> _Result:
+    # where the receiver's layer starts in the sender's memory: at the sender layer's first
+    # byte when the receiver is handed a tensor (a pointer) per layer, else as both say
+    shift = 0 if per_layer else receiver.byte_offset - sender.byte_offset
+    key = ("in_place", _placement(receiver), _placement(sender), shift)
+    return _remembered(key, lambda: _read_in_place(receiver, sender, shift))
 
 
-def _read_in_place(receiver: Layer, sender: Layer) -> _Result:
-    """The receiver reads the sender's memory where it lies: blocks 0, 1 and the last."""
+def _per_layer(manifest: Manifest) -> bool:
+    """A side that reads or writes a list of per-layer tensors (``assumed("NL_X_...")``): each
+    of its layers starts at the other side's layer's first byte, wherever that lies."""
+    return (manifest.topology.layout or "").upper().startswith("NL_X_")
+
+
+def _read_in_place(receiver: Layer, sender: Layer, shift: int) -> _Result:
+    """The receiver reads the sender's memory where it lies: blocks 0, 1 and the last. The
+    receiver's block 0 starts ``shift`` bytes after the sender's."""
     np = _numpy()
     blocks = sorted({0, min(1, receiver.num_blocks - 1), receiver.num_blocks - 1} - {-1})
     for block, k in ((b, k) for b in blocks for k in _slices(receiver.page_bytes)):
         chunk_index, inner = np.divmod(k, max(receiver.chunk_bytes, 1))
-        address = receiver.byte_offset + block * receiver.block_stride_bytes + inner
+        address = sender.byte_offset + shift + block * receiver.block_stride_bytes + inner
         for axis in reversed([a for a in receiver.axes if a.outer]):
             chunk_index, index = np.divmod(chunk_index, axis.size)
             address = address + index * axis.stride_bytes
@@ -342,17 +373,82 @@ def _block_contiguous(layer: Layer, layout: str | None) -> bool:
     return order[:2] == ["head", "token"] or (order[:1] == ["token"] and layer.size_of("head") == 1)
 
 
+# A page is compared a slice at a time; past this, a diff would run for minutes (a real page,
+# a Mamba state's included, is a few MiB at most)
+MAX_PAGE_BYTES = 1 << 30
+
+
+def _rule_of(
+    rule: Rule | None, senders: dict[int, Manifest], receivers: dict[int, Manifest]
+) -> tuple[Rule, str]:
+    """The rule given; else that of the connector the manifests name (the receiver's first:
+    it is the one that moves the bytes in, ``manifest.CONNECTOR_RULES``); else ``page_copy``."""
+    if rule is not None:
+        if rule not in RULES:
+            raise ArgumentError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+        return rule, "given"
+    for side in (receivers, senders):
+        named = {m.topology.connector for m in side.values()} - {None}
+        if len(named) == 1:
+            connector = named.pop()
+            found = CONNECTOR_RULES.get(str(connector))
+            if found in RULES:
+                return found, f"connector {connector}"
+            return "page_copy", f"connector {connector}"
+    return "page_copy", "default"
+
+
+def _missing_ranks(
+    given: Manifest | Sequence[Manifest], ranks: dict[int, Manifest], side: str
+) -> list[Finding]:
+    """A side given as a sequence is one engine's ranks: each rank its TP size declares and
+    no manifest holds is a finding. A single ``Manifest`` is that rank alone (the vLLM plugin
+    judges one decode rank at a time)."""
+    if isinstance(given, Manifest):
+        return []
+    tp_size = next(iter(ranks.values())).topology.tp_size
+    return [
+        Finding.missing_rank(
+            None,
+            rank=rank,
+            receiver_rank=rank if side == "receiver" else None,
+            sender_ranks=(rank,) if side == "sender" else (),
+            side=side,  # type: ignore[arg-type]
+            tp_size=tp_size,
+        )
+        for rank in range(tp_size)
+        if rank not in ranks
+    ]
+
+
+def _page_sizes(ranks: dict[int, Manifest], what: str) -> None:
+    for manifest in ranks.values():
+        for name, layer in manifest.layers.items():
+            if layer.page_bytes > MAX_PAGE_BYTES:
+                raise ManifestError(
+                    f"{what}.layers[{name!r}].page_bytes",
+                    layer.page_bytes,
+                    f"is more than the {MAX_PAGE_BYTES:,} bytes a diff compares",
+                )
+
+
 def diff(
     sender: Manifest | Sequence[Manifest],
     receiver: Manifest | Sequence[Manifest],
-    rule: Rule = "page_copy",
+    rule: Rule | None = None,
 ) -> DiffReport:
     """Compare what a sender's bytes mean with what a receiver reads them as, layer by layer,
-    by name; each side one manifest or one per TP rank. See the module's docstring."""
-    if rule not in RULES:
+    by name; each side one manifest or one per TP rank (a sequence is one engine's ranks: a
+    rank its TP size declares and none holds is a ``missing_rank`` finding). Without a
+    ``rule``, the rule of the connector the manifests name (``topology.connector``), else
+    ``page_copy``. See the module's docstring."""
+    if rule is not None and rule not in RULES:
         raise ArgumentError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
     senders = _ranks(sender, "sender")
     receivers = _ranks(receiver, "receiver")
+    rule, rule_from = _rule_of(rule, senders, receivers)
+    _page_sizes(senders, "sender")
+    _page_sizes(receivers, "receiver")
     sender_names = {name for m in senders.values() for name in m.layers}
     receiver_names = {name for m in receivers.values() for name in m.layers}
     common = sorted(sender_names & receiver_names)
@@ -362,28 +458,39 @@ def diff(
             f"{len(sender_names)} and {len(receiver_names)} layers",
             "have no name in common",
         )
-    findings: list[Finding] = []
+    findings = _missing_ranks(sender, senders, "sender")
+    findings += _missing_ranks(receiver, receivers, "receiver")
+    gone = {f.sender_ranks[0] for f in findings if f.receiver_rank is None}
     skipped: dict[str, str] = {}
     for name in sorted(sender_names - receiver_names):
         findings.append(Finding.missing_layer(name, side="sender"))
     for name in sorted(receiver_names - sender_names):
         findings.append(Finding.missing_layer(name, side="receiver"))
     single = len(senders) == 1 and len(receivers) == 1
+    in_place_per_layer = any(_per_layer(m) for m in (*senders.values(), *receivers.values()))
     for rank, manifest in sorted(receivers.items()):
         if rule == "vllm_nixl":
-            findings += _nixl_rank(rank, manifest, senders, skipped)
+            findings += _nixl_rank(rank, manifest, senders, skipped, gone)
             continue
         source = next(iter(senders.values())) if single else senders.get(rank)
         where = "" if single else f" (receiver rank {rank})"
         if source is None:
-            findings.append(Finding.missing_rank(None, rank=rank, receiver_rank=rank))
+            if rank not in gone:  # a rank the sender's TP size does not reach
+                findings.append(Finding.missing_rank(None, rank=rank, receiver_rank=rank))
             continue
         for name in sorted(manifest.layers):
             theirs = source.layers.get(name)
             if theirs is None:
                 continue
             findings += _pair(
-                name, manifest.layers[name], theirs, rule, where, rank, (source.topology.tp_rank,)
+                name,
+                manifest.layers[name],
+                theirs,
+                rule,
+                where,
+                rank,
+                (source.topology.tp_rank,),
+                in_place_per_layer,
             )
     return DiffReport(
         rule,
@@ -392,6 +499,11 @@ def diff(
         tuple(m.fingerprint for _, m in sorted(senders.items())),
         tuple(m.fingerprint for _, m in sorted(receivers.items())),
         skipped,
+        rule_from,
+        tuple(sorted(senders)),
+        tuple(sorted(receivers)),
+        next(iter(senders.values())).topology.tp_size,
+        next(iter(receivers.values())).topology.tp_size,
     )
 
 
@@ -403,6 +515,7 @@ def _pair(
     where: str,
     rank: int,
     sources: tuple[int, ...],
+    per_layer: bool = False,
 ) -> list[Finding]:
     if mine.dtype != theirs.dtype:
         dtype = Finding.diff_dtype(
@@ -415,7 +528,7 @@ def _pair(
         )
         return [dtype]
     if rule == "in_place":
-        found = _compare_in_place(mine, theirs)
+        found = _compare_in_place(mine, theirs, per_layer)
     elif mine.fingerprint == theirs.fingerprint:
         found = None  # the same meaning for every page byte: a page copy changes nothing
     else:
@@ -461,7 +574,11 @@ def _byte_finding(
 
 
 def _nixl_rank(
-    rank: int, manifest: Manifest, senders: dict[int, Manifest], skipped: dict[str, str]
+    rank: int,
+    manifest: Manifest,
+    senders: dict[int, Manifest],
+    skipped: dict[str, str],
+    gone: set[int],
 ) -> list[Finding]:
     """vLLM NIXL: every layer of D rank ``rank`` against the P ranks vLLM reads it from."""
     mine = manifest.topology
@@ -507,6 +624,8 @@ def _nixl_rank(
             continue
         sources = tuple(dict.fromkeys(piece.sender_rank for piece in plan.pieces))
         missing = [s for s in sources if s not in senders or name not in senders[s].layers]
+        if missing and all(s in gone for s in missing):
+            continue  # its whole rank is missing: one finding says so, not one per layer
         if missing:
             findings.append(
                 Finding.missing_rank(

@@ -10,7 +10,8 @@ heads it holds. Two manifests are compared by ``safeview.diff``::
 
 ``describe`` reads tensors (torch is imported only there, through ``safeview._torch``); the model,
 ``assumed`` (a manifest from a connector's assumed format, such as LMCache's
-``NL_X_TWO_NB_BS_NH_HS``) and the JSON round trip need no torch.
+``NL_X_TWO_NB_BS_NH_HS``) and the JSON round trip need no torch. The model, its checks and its
+fingerprints live in ``safeview._manifest_model``; every name of it is re-exported here.
 
 Axis names, one per tensor dimension in shape order: ``block``; ``kv`` (0 is K, 1 is V);
 ``token`` (within a block); ``head`` (local index, mapped to a global KV head by the topology);
@@ -22,26 +23,45 @@ axis is ``state``; any other is ``latent`` (MLA: one vector per token, the same 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
-from safeview.check import StorageRecord, ViewRecord
+from safeview._manifest_model import (
+    CONNECTOR_RULES,
+    MANIFEST_SCHEMA,
+    MAX_BYTES,
+    MAX_HEADS,
+    MAX_RANKS,
+    Layer,
+    LayerKind,
+    Manifest,
+    PageAxis,
+    Topology,
+    _file_name,
+    _fingerprint_of,
+    _refused,
+    _short,
+    _validated,
+)
 from safeview.errors import ManifestError
-from safeview.spec import DTYPE_ITEMSIZE, DTypeName
+from safeview.spec import DTYPE_ITEMSIZE
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "AXIS_NAMES",
+    "CONNECTOR_RULES",
     "MANIFEST_SCHEMA",
+    "MAX_BYTES",
+    "MAX_HEADS",
+    "MAX_RANKS",
     "Derived",
     "Layer",
+    "LayerKind",
     "Manifest",
     "PageAxis",
     "Topology",
@@ -50,302 +70,11 @@ __all__ = [
     "describe",
     "heads_of_rank",
     "layer_from_geometry",
+    "layer_heads",
     "vllm_axes",
 ]
 
-MANIFEST_SCHEMA: Literal["urn:safeview:manifest:1"] = "urn:safeview:manifest:1"
 AXIS_NAMES = ("block", "kv", "token", "head", "element", "kv|element", "state", "unit")
-PageAxisName = Literal["kv", "token", "head", "element"]
-LayerKind = Literal["attention", "latent", "state"]
-Count = Annotated[int, Field(strict=True, ge=0)]
-Positive = Annotated[int, Field(strict=True, ge=1)]
-
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
-
-
-class PageAxis(BaseModel):
-    """One logical axis of a page: its meaning, its length and its byte stride. ``outer`` marks
-    an axis that lies outside the block axis (``(2, num_blocks, ...)``: K and V pages apart)."""
-
-    model_config = _FROZEN
-
-    axis: PageAxisName
-    size: Positive
-    stride_bytes: Count
-    outer: bool = False
-
-
-class Topology(BaseModel):
-    """Where a manifest's engine sits: its tensor-parallel rank and size, the model's total KV
-    heads and the global heads this rank holds (in its local head order), block tokens (the
-    kernel's, and the engine's logical block), and the engine's name, version and own name for
-    its layout (vLLM's ``LBHNC``), as reported."""
-
-    model_config = _FROZEN
-
-    tp_rank: Count = 0
-    tp_size: Positive = 1
-    total_kv_heads: Positive | None = None
-    heads: tuple[Count, ...] | None = None
-    kernel_block_tokens: Positive | None = None
-    logical_block_tokens: Positive | None = None
-    engine: str | None = None
-    engine_version: str | None = None
-    layout: str | None = None
-
-    @model_validator(mode="after")
-    def _rank_in_range(self) -> Topology:
-        if self.tp_rank >= self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
-        return self
-
-
-class Layer(BaseModel):
-    """One layer's page: ``axes`` in physical order (outermost first; size-1 axes first, with
-    stride 0), ``page_bytes`` (the bytes one block holds: its chunks, each the span of the inner
-    axes), where block 0 starts (``byte_offset``) and the distance between blocks
-    (``block_stride_bytes``), the global KV heads its head axis holds, and a ``fingerprint`` of
-    what every page byte means (its placement, offsets and block count left out)."""
-
-    model_config = _FROZEN
-
-    kind: LayerKind
-    dtype: DTypeName
-    itemsize: Positive
-    group: int | str | None = None
-    num_blocks: Count
-    block_stride_bytes: Count
-    byte_offset: Count
-    page_bytes: Count
-    chunk_bytes: Count
-    axes: tuple[PageAxis, ...]
-    heads: tuple[Count, ...] = ()
-    fingerprint: str = ""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Layer:
-        if DTYPE_ITEMSIZE[self.dtype] != self.itemsize:
-            raise ValueError(f"itemsize {self.itemsize} is not that of {self.dtype}")
-        names = [axis.axis for axis in self.axes]
-        if len(set(names)) != len(names):
-            raise ValueError(f"axes name one meaning twice: {names}")
-        head = next((axis for axis in self.axes if axis.axis == "head"), None)
-        if self.kind == "attention" and "kv" not in names:
-            raise ValueError("an attention layer needs a kv axis")
-        if head is not None and self.heads and len(self.heads) != head.size:
-            raise ValueError(f"heads {list(self.heads)} do not match the head axis ({head.size})")
-        # a page that a file describes must be one describe() could have derived: the inner
-        # axes nest (innermost first, each holding the span inside it) and make the chunk
-        span, chunks = self.itemsize, 1
-        for axis in sorted((a for a in self.axes if a.size > 1), key=lambda a: a.stride_bytes):
-            if axis.outer:
-                chunks *= axis.size
-                continue
-            if axis.stride_bytes < span:
-                raise ValueError(
-                    f"axis {axis.axis} (stride {axis.stride_bytes} bytes) overlaps the axes "
-                    f"inside it, which span {span} bytes"
-                )
-            span += (axis.size - 1) * axis.stride_bytes
-        if (self.chunk_bytes, self.page_bytes) != (span, span * chunks):
-            raise ValueError(
-                f"chunk_bytes {self.chunk_bytes} and page_bytes {self.page_bytes} are not what "
-                f"the axes make ({span} and {span * chunks})"
-            )
-        fingerprint = _layer_fingerprint(self)
-        if self.fingerprint and self.fingerprint != fingerprint:
-            raise ValueError(
-                f"fingerprint {self.fingerprint} is not that of this layer ({fingerprint}); "
-                "the file was edited or written by another version"
-            )
-        object.__setattr__(self, "fingerprint", fingerprint)
-        return self
-
-    def size_of(self, axis: str) -> int:
-        """The length of a page axis, 1 when the page has none."""
-        return next((a.size for a in self.axes if a.axis == axis), 1)
-
-    def block_records(self, name: str, storage: str) -> list[ViewRecord]:
-        """This layer's pages as the checker's int8 block views (``safeview.check``), as
-        ``safeview.kv.block_views`` makes them: one ``(num_blocks, page_bytes)`` view with the
-        block stride from the first byte; where axes lie outside the block axis (K and V pages
-        apart, ``(2, num_blocks, ...)``), one view per chunk of the page, ``name[i]``, chunk
-        ``i`` counted with the innermost outer axis fastest (K is ``[0]``, V ``[1]``)."""
-        offsets = [self.byte_offset]
-        for axis in (a for a in self.axes if a.outer):
-            offsets = [at + i * axis.stride_bytes for at in offsets for i in range(axis.size)]
-        split = len(offsets) > 1
-        return [
-            ViewRecord.block(
-                f"{name}[{index}]" if split else name,
-                storage,
-                num_blocks=self.num_blocks,
-                page_bytes=self.chunk_bytes,
-                block_stride_bytes=self.block_stride_bytes,
-                byte_offset=offset,
-                group=self.group,
-            )
-            for index, offset in enumerate(offsets)
-        ]
-
-
-class Manifest(BaseModel):
-    """What an engine's KV-cache bytes mean, per layer by name; see the module's docstring.
-
-    ``Manifest.from_json(text)`` reads one (``ManifestError`` naming the field when it is not a
-    manifest of this schema); ``to_json()`` writes it; ``fingerprint`` is the sha256 of the
-    canonical JSON of every layer's name and page meaning and of the topology's head mapping:
-    the same layout gives the same fingerprint on any machine."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
-
-    schema_: Literal["urn:safeview:manifest:1"] = Field(default=MANIFEST_SCHEMA, alias="$schema")
-    topology: Topology = Topology()
-    layers: dict[str, Layer]
-    fingerprint: str = ""
-
-    @model_validator(mode="after")
-    def _fingerprinted(self) -> Manifest:
-        fingerprint = _fingerprint_of(
-            (name, layer.fingerprint) for name, layer in self.layers.items()
-        )
-        if self.fingerprint and self.fingerprint != fingerprint:
-            raise ValueError(
-                f"fingerprint {self.fingerprint} is not that of these layers ({fingerprint})"
-            )
-        object.__setattr__(self, "fingerprint", fingerprint)
-        return self
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return self.model_dump_json(by_alias=True, indent=indent)
-
-    def records(
-        self,
-        storage_of: Mapping[str, str] | str = "storage0",
-        storages: Mapping[str, StorageRecord | int] | None = None,
-    ) -> tuple[dict[str, StorageRecord], list[ViewRecord]]:
-        """The manifest as the checker's records (``safeview.check.check_views``), the one
-        memory model that check, transfer (``MemoryMap.from_manifest``) and diff read: each
-        layer's pages as ``Layer.block_records``, in layer order. ``storage_of`` names the
-        storage each layer lies in (a mapping by layer name, or one name for all: a manifest
-        says where a layer starts, not in which allocation); ``storages`` gives those storages'
-        sizes or ``StorageRecord``s (default: each just large enough for its views).
-        ``ManifestError`` names a layer without a storage, or a storage without a size."""
-        views: list[ViewRecord] = []
-        for name, layer in self.layers.items():
-            if isinstance(storage_of, str):
-                storage = storage_of
-            elif name in storage_of:
-                storage = storage_of[name]
-            else:
-                raise ManifestError(f"storage_of[{name!r}]", None, "is missing: no storage given")
-            views += layer.block_records(name, storage)
-        found: dict[str, StorageRecord] = {}
-        for view in views:
-            if storages is None:
-                known = found.get(view.storage, StorageRecord(0))
-                found[view.storage] = StorageRecord(max(known.nbytes, view.extent_bytes))
-            elif view.storage not in storages:
-                raise ManifestError(f"storages[{view.storage!r}]", None, "is missing: no size")
-            else:
-                size = storages[view.storage]
-                found[view.storage] = (
-                    size if isinstance(size, StorageRecord) else StorageRecord(size)
-                )
-        return found, views
-
-    @classmethod
-    def from_json(cls, text: str | bytes, source: str = "manifest") -> Manifest:
-        """Read a manifest; ``ManifestError`` naming the field (and the file as ``source``)
-        for anything that is not one of this schema: another ``$schema``, truncated JSON, an
-        axis of unknown meaning."""
-        try:
-            data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise ManifestError(source, _short(text), f"is not JSON ({error})") from None
-        if not isinstance(data, dict):
-            raise ManifestError(source, type(data).__name__, "is not a JSON object")
-        schema = data.get("$schema")
-        if schema != MANIFEST_SCHEMA:
-            raise ManifestError(f"{source}: $schema", schema, f"is not {MANIFEST_SCHEMA!r}")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as error:
-            first = error.errors(include_url=False)[0]
-            where = ".".join(str(part) for part in first["loc"]) or "(manifest)"
-            raise ManifestError(
-                f"{source}: {where}", first.get("input"), f"is refused: {first['msg']}"
-            ) from None
-
-    @classmethod
-    def read(cls, path: str | Path) -> Manifest:
-        file = Path(path)
-        try:
-            text = file.read_bytes()
-        except OSError as error:
-            raise ManifestError(str(file), None, f"cannot be read: {error.strerror}") from None
-        return cls.from_json(text, source=str(file))
-
-    def file_name(self) -> str:
-        """``ENGINE.tpRANKofSIZE.manifest.json``: one file per engine and rank, so that one
-        folder can hold both engines of a pair."""
-        return _file_name(self.topology)
-
-
-def _file_name(topology: Topology) -> str:
-    engine = (topology.engine or "engine").replace("/", "_")
-    return f"{engine}.tp{topology.tp_rank}of{topology.tp_size}.manifest.json"
-
-
-def _short(text: str | bytes) -> str:
-    shown = text if isinstance(text, str) else text[:200].decode("utf-8", "replace")
-    return shown[:40] + ("..." if len(shown) > 40 else "")
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _page_meaning(layer: Layer) -> dict[str, Any]:
-    """What a page's bytes mean, and nothing about where pages lie: outer axes keep their order
-    but not their strides (those depend on the number of blocks)."""
-    return {
-        "kind": layer.kind,
-        "dtype": layer.dtype,
-        "page_bytes": layer.page_bytes,
-        "chunk_bytes": layer.chunk_bytes,
-        "axes": [[a.axis, a.size, "outer" if a.outer else a.stride_bytes] for a in layer.axes],
-        "heads": list(layer.heads),
-    }
-
-
-_FINGERPRINTS: dict[tuple[Any, ...], str] = {}
-
-
-def _layer_fingerprint(layer: Layer) -> str:
-    # layers of one shape are many (1,000 in a model): hash each page meaning once
-    key = (
-        layer.kind,
-        layer.dtype,
-        layer.page_bytes,
-        layer.chunk_bytes,
-        tuple((a.axis, a.size, a.stride_bytes, a.outer) for a in layer.axes),
-        layer.heads,
-    )
-    found = _FINGERPRINTS.get(key)
-    if found is None:
-        if len(_FINGERPRINTS) > 4096:
-            _FINGERPRINTS.clear()
-        found = _FINGERPRINTS[key] = hashlib.sha256(
-            _canonical(_page_meaning(layer)).encode()
-        ).hexdigest()
-    return found
-
-
-def _fingerprint_of(pairs: Iterable[tuple[str, str]]) -> str:
-    """sha256 of the canonical JSON of ``[[name, layer fingerprint], ...]`` in name order."""
-    ordered = sorted(pairs)
-    return hashlib.sha256(json.dumps(ordered, separators=(",", ":")).encode()).hexdigest()
 
 
 def heads_of_rank(tp_rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, ...]:
@@ -369,16 +98,26 @@ AxesSpec = (
 
 
 def _axes_for(axes: AxesSpec, layer: str, shape: Sequence[int]) -> tuple[str, ...]:
+    where = "axes"
     if callable(axes):
         names = axes(layer, shape)
+        where = f"axes({layer!r}, {tuple(shape)})"
     elif isinstance(axes, Mapping):
         if layer not in axes:
             raise ManifestError(f"axes[{layer!r}]", None, "is missing: no meaning given")
         names = axes[layer]
+        where = f"axes[{layer!r}]"
     else:
         names = axes
     if isinstance(names, str):
         names = names.replace(",", " ").split()
+    if not isinstance(names, Sequence) or not all(isinstance(name, str) for name in names):
+        raise ManifestError(
+            where,
+            names if isinstance(names, Sequence) else type(names).__name__,
+            "is not axis names (a sequence of str, a mapping of them by layer, or a callable "
+            "(name, shape) -> them)",
+        )
     return tuple(names)
 
 
@@ -438,9 +177,28 @@ def layer_from_geometry(
             raise ManifestError(f"{where}.axes", list(axes), f"names {meaning!r} twice")
     if kind is None:
         kind = "attention" if "kv" in meanings else "latent"
+    try:
+        return _layer(where, found, kind, dtype, itemsize, group, block, byte_offset, heads)
+    except ValidationError as error:  # a count past MAX_BYTES, a kind of no meaning
+        raise _refused(error, where, ".") from None
+
+
+def _layer(
+    where: str,
+    found: list[tuple[str, int, int]],
+    kind: LayerKind,
+    dtype: str,
+    itemsize: int,
+    group: int | str | None,
+    block: tuple[int, int],
+    byte_offset: int,
+    heads: Sequence[int] | None,
+) -> Layer:
     num_blocks, block_stride = block
     page_axes, chunk, page = _nest(where, found, itemsize, num_blocks, block_stride)
     head_size = next((size for meaning, size, _ in found if meaning == "head"), None)
+    if head_size is not None and head_size > MAX_HEADS:
+        raise ManifestError(f"{where}.axes", f"head {head_size}", f"holds more than {MAX_HEADS:,}")
     if kind == "latent":
         held: tuple[int, ...] = ()
     elif heads is not None:
@@ -530,12 +288,10 @@ def _topology(topology: Topology | Mapping[str, Any] | None) -> Topology:
         return Topology()
     if isinstance(topology, Topology):
         return topology
-    try:
-        return Topology.model_validate(dict(topology))
-    except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(topology)"
-        raise ManifestError(f"topology.{where}", first.get("input"), first["msg"]) from None
+    if not isinstance(topology, Mapping):
+        raise ManifestError("topology", type(topology).__name__, "is not a Topology or a mapping")
+    validated: Topology = _validated(Topology, dict(topology), "topology", ".")
+    return validated
 
 
 def _held_heads(topology: Topology, head_size: int | None) -> tuple[int, ...] | None:
@@ -543,8 +299,22 @@ def _held_heads(topology: Topology, head_size: int | None) -> tuple[int, ...] | 
         return topology.heads
     if head_size is None:
         return None
-    total = topology.total_kv_heads or head_size * topology.tp_size
-    return heads_of_rank(topology.tp_rank, topology.tp_size, total)
+    return layer_heads(topology.tp_rank, topology.tp_size, topology.total_kv_heads, head_size)
+
+
+def layer_heads(
+    tp_rank: int, tp_size: int, total_kv_heads: int | None, local_heads: int
+) -> tuple[int, ...]:
+    """The global KV heads of one layer that a rank holds, its head axis ``local_heads`` long:
+    the rank's share of the model's ``total_kv_heads`` (``heads_of_rank``) when that is as many;
+    else the layer has a head count of its own (a model whose layers hold different numbers of
+    KV heads, two page sizes in one cache), and the rank holds its share of
+    ``local_heads * tp_size`` (heads belong to the layer, not to the model)."""
+    if total_kv_heads is not None:
+        held = heads_of_rank(tp_rank, tp_size, total_kv_heads)
+        if len(held) == local_heads:
+            return held
+    return heads_of_rank(tp_rank, tp_size, local_heads * tp_size)
 
 
 def describe(
@@ -581,11 +351,15 @@ def derive(
     known = _topology(topology)
     if not isinstance(kv_caches, Mapping):
         raise ManifestError("kv_caches", type(kv_caches).__name__, "is not a mapping of tensors")
+    _by_layer(groups, "groups", lambda value: isinstance(value, (int, str)), "an int or a str")
+    _by_layer(kinds, "kinds", lambda value: value in _KINDS, f"one of {', '.join(_KINDS)}")
     entries: list[tuple[str, Layer, int]] = []
     fixed = None if callable(axes) or isinstance(axes, Mapping) else _axes_for(axes, "", ())
     # layers of one shape differ only in where they lie: each page is derived once
     seen: dict[tuple[Any, ...], Layer] = {}
     for name, tensor in kv_caches.items():
+        if not isinstance(name, str):
+            raise ManifestError("kv_caches", name, "has a key that is not a layer name (a str)")
         if not _torch.is_strided_tensor(tensor):
             raise ManifestError(
                 f"kv_caches[{name!r}]", type(tensor).__name__, "is not a strided torch.Tensor"
@@ -613,6 +387,20 @@ def derive(
             )
         entries.append((name, template, _torch.byte_offset(tensor)))
     return Derived(_finished(known, seen.values()), entries)
+
+
+_KINDS: tuple[str, ...] = ("attention", "latent", "state")
+
+
+def _by_layer(given: Any, what: str, valid: Callable[[Any], bool], limit: str) -> None:
+    """``groups`` and ``kinds``: ``None`` or a mapping by layer name of valid values."""
+    if given is None:
+        return
+    if not isinstance(given, Mapping):
+        raise ManifestError(what, type(given).__name__, "is not a mapping by layer name")
+    for name, value in given.items():
+        if isinstance(value, bool) or not valid(value):
+            raise ManifestError(f"{what}[{name!r}]", value, f"is not {limit}")
 
 
 class Derived:
@@ -757,7 +545,24 @@ def assumed(
     ``NB_NH_BS_2HS`` is vLLM's HND with K|V fused), diffable
     against an engine's derived manifest before a byte is copied. No torch.
 
-    Layers are laid out one after another, each ``layer_bytes`` apart (default: dense)."""
+    Layers are laid out one after another, each ``layer_bytes`` apart (default: dense). After
+    ``NL_X_`` (a list of per-layer tensors) each layer is read from its own first byte,
+    wherever the engine's lies: the topology's ``layout`` is the format (unless given), which
+    tells ``diff``'s ``in_place`` rule so."""
+    if not isinstance(format, str):
+        raise ManifestError("format", type(format).__name__, "is not a str")
+    for field, value in (
+        ("num_blocks", num_blocks),
+        ("block_tokens", block_tokens),
+        ("num_heads", num_heads),
+        ("head_size", head_size),
+        ("layer_bytes", 1 if layer_bytes is None else layer_bytes + 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < MAX_BYTES:
+            shown = layer_bytes if field == "layer_bytes" else value
+            raise ManifestError(field, shown, "is not a count from 1 to 2**62 - 1")
+    if isinstance(layers, str):
+        raise ManifestError("layers", _short(layers), "is one str: give a list of layer names")
     names = _format_axes(format)
     sizes = {
         "kv": 2,
@@ -775,9 +580,13 @@ def assumed(
         strides[at] = strides[at + 1] * shape[at + 1]
     per_layer = strides[0] * shape[0] * DTYPE_ITEMSIZE[dtype] if shape else 0
     known = _topology(topology)
+    if format.upper().startswith("NL_X_") and known.layout is None:
+        known = known.model_copy(update={"layout": format.upper()})
     head_count = num_heads if "head" in names else None
     built: dict[str, Layer] = {}
     for index, name in enumerate(layers):
+        if not isinstance(name, str):
+            raise ManifestError(f"layers[{index}]", name, "is not a layer name (a str)")
         built[name] = layer_from_geometry(
             name,
             axes=names,

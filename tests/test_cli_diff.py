@@ -6,10 +6,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from safeview.manifest import MANIFEST_SCHEMA, assumed
+from safeview.manifest import MANIFEST_SCHEMA, Manifest, assumed
 
 
 def run(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -89,7 +90,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     return {
         "other schema version": (other_schema, "$schema"),
         "truncated file": (truncated, "is not JSON"),
-        "unknown axis": (unknown, "axes.1.axis"),
+        "unknown axis": (unknown, "axes[1].axis"),
         "no common layer": (elsewhere, "no name in common"),
         "missing file": (tmp_path / "nowhere.json", "cannot be read"),
         "empty folder": (empty, "no *.json"),
@@ -141,3 +142,142 @@ def test_a_folder_of_two_engines_is_bad_input(tmp_path: Path) -> None:
     result = run(str(shared), str(shared))
     assert result.returncode == 2
     assert "several engines" in result.stderr
+
+
+# -- the folders the vLLM plugin writes (newcomer point 4) ---------------------------------------
+
+
+def plugin_engine(root: Path, name: str, tp: int, *, heads: int = 8, tokens: int = 16,
+                  mla: bool = False) -> Path:  # fmt: skip
+    """One engine's manifests as the vLLM plugin writes them with SAFEVIEW_MANIFEST_DIR=root:
+    ``root/ENGINE/ENGINE.tpRofN.manifest.json``, naming vLLM's NIXL connector."""
+    import torch
+
+    from safeview._vllm_layout import write_manifest
+    from safeview.manifest import describe, vllm_axes
+
+    for rank in range(tp):
+        local = 1 if mla else max(1, heads // tp)
+        shape = (12, local, tokens, 64 if mla else 32)
+        caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, device="meta")
+                  for i in range(3)}  # fmt: skip
+        topology = {"tp_rank": rank, "tp_size": tp, "total_kv_heads": 1 if mla else heads,
+                    "engine": name, "layout": "LBHNC", "connector": "NixlConnector",
+                    "engine_version": "vllm 0.33.0"}  # fmt: skip
+        manifest = describe(caches, axes=vllm_axes("mla" if mla else "attention"),
+                            topology=topology)  # fmt: skip
+        write_manifest(manifest, root)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("p", "d"),
+    [
+        ({"tp": 2}, {"tp": 4}),
+        ({"tp": 4}, {"tp": 2}),
+        ({"tp": 8, "heads": 8}, {"tp": 16, "heads": 8}),
+        ({"tp": 1, "mla": True}, {"tp": 2, "mla": True}),
+        ({"tp": 2, "tokens": 16}, {"tp": 2, "tokens": 32}),
+    ],
+    ids=["tp2_to_4", "tp4_to_2", "h8_tp8_to_16", "mla_tp1_to_2", "blocks_x2"],
+)
+def test_the_plugins_folders_diff_by_the_connectors_rule_without_a_flag(
+    tmp_path: Path, p: dict[str, Any], d: dict[str, Any]
+) -> None:
+    prefill = plugin_engine(tmp_path / "m-of-P", "prefill", **p)
+    decode = plugin_engine(tmp_path / "m-of-D", "decode", **d)
+    result = run(str(prefill), str(decode))
+    assert result.returncode == 0, result.stdout + result.stderr
+    first = result.stdout.splitlines()[0]
+    assert "rule vllm_nixl of connector NixlConnector" in first
+    senders = f"ranks 0-{p['tp'] - 1}" if p["tp"] > 1 else "rank 0"
+    assert f"sender {senders} of TP {p['tp']}" in first
+    document = json.loads(run(str(prefill), str(decode), "--json").stdout)
+    assert (document["rule"], document["rule_from"]) == ("vllm_nixl", "connector NixlConnector")
+    assert document["receiver_ranks"] == list(range(d["tp"]))
+    if p != d:  # a page copy is not how these bytes move
+        assert run(str(prefill), str(decode), "--rule", "page_copy").returncode == 1
+
+
+def test_a_folder_of_several_engines_folders_says_which_and_how_to_name_one(
+    tmp_path: Path,
+) -> None:
+    shared = plugin_engine(tmp_path / "m", "prefill", 1)
+    plugin_engine(shared, "decode", 2)
+    result = run(str(shared), str(shared))
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert "holds 2 engines' folders (decode, prefill): give one, such as " in line
+    assert line.endswith(f"{shared / 'decode'}\n".rstrip())
+    assert "None" not in line
+
+
+def test_unreadable_and_empty_paths_are_named_without_none(tmp_path: Path) -> None:
+    good = engine(tmp_path / "good", 1)
+    (tmp_path / "empty").mkdir()
+    for path, words in (
+        (tmp_path / "nowhere", "cannot be read: No such file or directory"),
+        (tmp_path / "empty", "is a folder that holds no *.json manifest"),
+    ):
+        result = run(str(good), str(path))
+        assert result.returncode == 2
+        assert result.stderr == f"safeview: {path}: {words}" + (
+            ", nor one engine's folder of them\n" if path.name == "empty" else "\n"
+        )
+        assert "None" not in result.stderr
+
+
+# -- errors in one short line (newcomer point 2) -------------------------------------------------
+
+
+def test_a_renamed_layer_in_a_100_layer_manifest_is_one_short_line(tmp_path: Path) -> None:
+    names = [f"model.layers.{i}.self_attn" for i in range(100)]
+    manifest = assumed("NB_NH_BS_2HS", layers=names, num_blocks=32, block_tokens=16, num_heads=8,
+                       head_size=16, dtype="bfloat16")  # fmt: skip
+    good, edited = tmp_path / "good.json", tmp_path / "edited.json"
+    good.write_text(manifest.to_json())
+    data = json.loads(manifest.to_json())
+    data["layers"]["model.layers.renamed"] = data["layers"].pop(names[42])
+    edited.write_text(json.dumps(data))
+    result = run(str(good), str(edited))
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    renamed = Manifest.from_json(edited.read_text().replace(manifest.fingerprint, ""))
+    assert line == (
+        f"safeview: {edited}: fingerprint: {manifest.fingerprint[:12]}... does not match the "
+        f"layers ({renamed.fingerprint[:12]}...): a layer was renamed, added or edited"
+    )
+    assert len(line.removeprefix(f"safeview: {edited}")) < 120, line
+    document = json.loads(run(str(good), str(edited), "--json").stdout)
+    assert document["error"] == line.removeprefix("safeview: ")
+
+
+# -- ranks (newcomer point 5) and heads --------------------------------------------------------
+
+
+def test_a_receiver_folder_missing_a_rank_is_a_mismatch_naming_it(tmp_path: Path) -> None:
+    prefill = engine(tmp_path / "p", 2)
+    decode = engine(tmp_path / "d", 2)
+    (decode / "vllm.tp1of2.manifest.json").unlink()
+    result = run(str(prefill), str(decode))
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert "sender ranks 0-1 of TP 2, receiver rank 0 of TP 2" in lines[0]
+    assert lines[1] == (
+        "  missing_rank  the receiver declares TP 2 but no manifest of its rank 1 was given: "
+        "rank 1 is not judged"
+    )
+    whole = run(str(prefill), str(engine(tmp_path / "d2", 2)))
+    assert whole.returncode == 0
+    assert "sender ranks 0-1 of TP 2, receiver ranks 0-1 of TP 2" in whole.stdout
+
+
+def test_a_page_copy_between_ranks_of_other_heads_is_a_mismatch_naming_the_head(
+    tmp_path: Path,
+) -> None:
+    engine(tmp_path / "e", 2)
+    rank0, rank1 = (tmp_path / "e" / f"vllm.tp{r}of2.manifest.json" for r in range(2))
+    result = run(str(rank0), str(rank1))  # rank 0 holds heads 0-3, rank 1 heads 4-7
+    assert result.returncode == 1
+    assert "reads K token 0 head 4 element 0, the sender wrote K token 0 head 0" in result.stdout
+    assert "sender rank 0 of TP 2, receiver rank 1 of TP 2" in result.stdout.splitlines()[0]

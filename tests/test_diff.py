@@ -693,3 +693,153 @@ def test_diff_reports_through_the_one_finding_type() -> None:
     [finding] = dtype.findings
     assert (finding.kind, finding.byte) == ("dtype", 0)
     assert finding.message == "a: the receiver reads bfloat16, the sender wrote float16"
+
+
+# -- in place, one tensor per layer (issue 26, point 10) ----------------------------------------
+
+
+def vllm_layers(storage: str, layers: int = 3) -> dict[str, torch.Tensor]:
+    """vLLM's HND caches, [B, H, N, K|V] int32, every element its code: one tensor per layer
+    (``per_layer``) or views of one buffer, layer after layer (``one_buffer``, vLLM 0.33)."""
+    blocks, heads, tokens = 3, 2, 2
+    shape = (blocks, heads, tokens, 2 * D)
+    size = blocks * heads * tokens * 2 * D
+    buffer = torch.zeros(layers * size, dtype=torch.int32)
+    caches = {}
+    for layer in range(layers):
+        if storage == "per_layer":
+            tensor = torch.zeros(shape, dtype=torch.int32)
+        else:
+            tensor = buffer[layer * size : (layer + 1) * size].view(shape)
+        for b, h, t, c in itertools.product(*(range(n) for n in shape)):
+            kv, element = divmod(c, D)
+            tensor[b, h, t, c] = code(layer, kv, b * tokens + t, h, element)
+        caches[f"layers.{layer}"] = tensor
+    return caches
+
+
+CONNECTOR_PARTS = {"NB": "block", "NH": "head", "BS": "token", "TWO": "kv", "HS": "element"}
+
+
+def connector_reads_right(caches: dict[str, torch.Tensor], format: str) -> bool:
+    """The oracle: the connector is handed each layer's tensor (its first byte) and reads the
+    bytes there as a dense tensor in ``format``; each element must be what the engine meant."""
+    parts = format.removeprefix("NL_X_").split("_")
+    for layer, tensor in enumerate(caches.values()):
+        blocks, heads, tokens, width = tensor.shape
+        sizes = {"block": blocks, "head": heads, "token": tokens, "kv": 2, "element": width // 2}
+        shape = [sizes[CONNECTOR_PARTS[part]] for part in parts]
+        whole = torch.empty(0, dtype=torch.int32).set_(tensor.untyped_storage())
+        read = whole[tensor.storage_offset() :][: tensor.numel()].view(shape)
+        for index in itertools.product(*(range(n) for n in shape)):
+            at = {CONNECTOR_PARTS[part]: i for part, i in zip(parts, index)}
+            meant = code(layer, at["kv"], at["block"] * tokens + at["token"], at["head"],
+                         at["element"])  # fmt: skip
+            if int(read[index]) != meant:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("storage", ["per_layer", "one_buffer"])
+@pytest.mark.parametrize(
+    "format", ["NL_X_NB_NH_BS_TWO_HS", "NL_X_NB_BS_NH_TWO_HS", "NL_X_TWO_NB_NH_BS_HS"]
+)
+def test_in_place_over_per_layer_tensors_agrees_with_the_byte_oracle(
+    storage: str, format: str
+) -> None:
+    caches = vllm_layers(storage)
+    engine = describe(caches, axes=vllm_axes())
+    connector = assumed(format, layers=list(caches), num_blocks=3, block_tokens=2,
+                        num_heads=2, head_size=D, dtype="int32")  # fmt: skip
+    report = safeview.diff(engine, connector, rule="in_place")
+    right = connector_reads_right(caches, format)
+    assert report.compatible == right, [f.message for f in report.findings]
+    assert right == (format == "NL_X_NB_NH_BS_TWO_HS")
+    if not right:  # every layer is read the same wrong way, each from its own first byte
+        assert [f.layer for f in report.findings] == list(caches)
+        assert len({(f.byte, f.receiver_reads, f.sender_wrote) for f in report.findings}) == 1
+
+
+# -- which global head a byte is (the TP rank's share) ------------------------------------------
+
+
+def test_a_page_copy_to_a_rank_of_other_heads_names_the_head() -> None:
+    # the same layout, the same page size: only the global heads differ (rank 0 holds heads 0
+    # and 1, rank 1 heads 2 and 3); a copy of rank 0's pages into rank 1's is wrong everywhere
+    tensor = torch.zeros(4, 2, 16, 2 * D, dtype=torch.float16, device="meta")
+
+    def rank(r: int) -> Manifest:
+        return describe({"l": tensor}, axes=vllm_axes(),
+                        topology={"tp_rank": r, "tp_size": 2, "total_kv_heads": 4})  # fmt: skip
+
+    assert rank(0).layers["l"].heads == (0, 1)
+    assert rank(1).layers["l"].heads == (2, 3)
+    report = safeview.diff(rank(0), rank(1))
+    [finding] = report.findings
+    assert (finding.kind, finding.byte) == ("byte", 0)
+    assert finding.receiver_reads == Meaning("data", 0, 0, 2, 0, 0, None, "float16")
+    assert finding.sender_wrote == Meaning("data", 0, 0, 0, 0, 0, None, "float16")
+    assert finding.message == (
+        "l: receiver page byte 0 reads K token 0 head 2 element 0, the sender wrote K token 0 "
+        "head 0 element 0 there"
+    )
+    # vLLM's NIXL connector reads rank 1's heads from P's rank 1: told the truth, compatible
+    assert safeview.diff([rank(0), rank(1)], [rank(0), rank(1)], rule="vllm_nixl").compatible
+    swapped = [rank(1).model_copy(update={"topology": rank(0).topology}), rank(1)]
+    assert not safeview.diff(swapped, [rank(0), rank(1)], rule="vllm_nixl").compatible
+
+
+# -- ranks: which were judged, which are missing (newcomer point 5) ------------------------------
+
+
+def ranks_of(tp: int, ranks: list[int], connector: str | None = None) -> list[Manifest]:
+    return [
+        assumed(
+            "NB_NH_BS_2HS",
+            layers=["l"],
+            num_blocks=4,
+            block_tokens=16,
+            num_heads=4 // tp,
+            head_size=D,
+            dtype="float16",
+            topology={"tp_rank": r, "tp_size": tp, "total_kv_heads": 4, "connector": connector},
+        )
+        for r in ranks
+    ]
+
+
+def test_a_rank_missing_on_either_side_is_a_finding_and_the_ranks_judged_are_said() -> None:
+    whole = safeview.diff(ranks_of(2, [0, 1]), ranks_of(4, [0, 1, 2, 3]), rule="vllm_nixl")
+    assert whole.compatible
+    assert whole.ranks() == "sender ranks 0-1 of TP 2, receiver ranks 0-3 of TP 4"
+    assert (whole.to_json()["receiver_ranks"], whole.to_json()["receiver_tp_size"]) == (
+        [0, 1, 2, 3],
+        4,
+    )
+    half = safeview.diff(ranks_of(2, [0, 1]), ranks_of(2, [0]))
+    [finding] = half.findings
+    assert (finding.kind, finding.receiver_rank, finding.layer) == ("missing_rank", 1, None)
+    assert finding.message == (
+        "the receiver declares TP 2 but no manifest of its rank 1 was given: rank 1 is not judged"
+    )
+    assert half.ranks() == "sender ranks 0-1 of TP 2, receiver rank 0 of TP 2"
+    sender_half = safeview.diff(ranks_of(2, [1]), ranks_of(2, [0, 1]), rule="vllm_nixl")
+    kinds = [(f.kind, f.sender_ranks, f.receiver_rank) for f in sender_half.findings]
+    assert kinds == [("missing_rank", (0,), None)]  # once, not once per layer and rank
+    # one Manifest is one rank, judged alone (the plugin judges one decode rank at a time)
+    assert safeview.diff(ranks_of(2, [0, 1]), ranks_of(2, [1])[0], rule="vllm_nixl").compatible
+
+
+# -- the rule of the connector that wrote the manifests (newcomer point 4) ----------------------
+
+
+def test_without_a_rule_the_diff_uses_the_rule_of_the_connector_the_manifests_name() -> None:
+    p, d = ranks_of(2, [0, 1], "NixlConnector"), ranks_of(4, [0, 1, 2, 3], "NixlConnector")
+    report = safeview.diff(p, d)
+    assert (report.rule, report.rule_from) == ("vllm_nixl", "connector NixlConnector")
+    assert report.compatible
+    assert not safeview.diff(p, d, rule="page_copy").compatible
+    plain = safeview.diff(ranks_of(2, [0, 1]), ranks_of(2, [0, 1]))
+    assert (plain.rule, plain.rule_from) == ("page_copy", "default")
+    other = safeview.diff(ranks_of(1, [0], "LMCacheConnectorV1"), ranks_of(1, [0]))
+    assert (other.rule, other.rule_from) == ("page_copy", "connector LMCacheConnectorV1")

@@ -253,6 +253,36 @@ def test_safeview_diff_reads_the_engine_folders_the_plugin_wrote(
         assert f"{LAYER_1}: receiver page byte 256 reads K token 1 head 0" in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("name", "status"),
+    [
+        ("tp1_to_tp2", 0),
+        ("tp2_to_tp1", 0),
+        ("replicated_tp4_to_tp8", 0),
+        ("blocks_x2_hnd", 0),
+        ("num_blocks", 0),
+        ("permuted_layer", 1),
+    ],
+)
+def test_safeview_diff_of_each_engines_manifest_dir_needs_no_rule(
+    judged: dict[Any, Any], name: str, status: int
+) -> None:
+    # SAFEVIEW_MANIFEST_DIR=/m-of-P on P and /m-of-D on D: each holds its engine's folder, and
+    # the manifests name vLLM's NIXL connector, whose rule the diff takes
+    result = judged[(name, "strict", "separate")]
+    p, d = result["manifest_dir"]["P"], result["manifest_dir"]["D"]
+    done = subprocess.run([sys.executable, "-m", "safeview", "diff", p, d], capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == status, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert "rule vllm_nixl of connector NixlConnector" in first
+    pair = VALID.get(name, (E(), E()))
+    assert f"of TP {pair[0].tp}, receiver rank" in first
+    assert first.endswith(f"of TP {pair[1].tp})")
+    if status:
+        assert f"{LAYER_1}: receiver page byte 256 reads K token 1 head 0" in done.stdout
+
+
 def test_every_layout_event_key_is_in_the_event_table(judged: dict[Any, Any]) -> None:
     from test_readme import ALWAYS, _documented_keys  # type: ignore[import-not-found,unused-ignore]
 
@@ -404,3 +434,71 @@ def test_packed_mla_rows_are_judged_against_manifests_and_left_to_vllm_from_meta
     [event] = _layout_events(alone)
     assert (event["verdict"], event["against"]) == ("not_judged", "nixl_metadata")
     assert event["reason"] == "P registers packed MLA block rows"
+
+
+# -- heads belong to the layer (issue 26, point 12) --------------------------------------------
+
+#: a model whose config says 4 KV heads, with a layer of 8 (two page sizes in one cache)
+TWO_PAGES = (4, 8, 4)
+PER_LAYER_HEADS = {
+    "per_layer_heads_identical": (E(layer_heads=TWO_PAGES), E(layer_heads=TWO_PAGES)),
+    "per_layer_heads_tp1_to_tp2": (E(layer_heads=TWO_PAGES), E(tp=2, layer_heads=TWO_PAGES)),
+    "per_layer_heads_tp2_to_tp1": (E(tp=2, layer_heads=TWO_PAGES), E(layer_heads=TWO_PAGES)),
+}
+
+
+@pytest.fixture(scope="module")
+def per_layer_heads() -> Iterator[dict[tuple[str, str | None], dict[str, Any]]]:
+    pairs = [
+        Pair(name, p=p, d=d, policy="strict", manifests=manifests)
+        for name, (p, d) in PER_LAYER_HEADS.items()
+        for manifests in ("shared", "separate")
+    ]
+    run = harness.run(pairs)
+    yield {(r["pair"]["name"], r["pair"]["manifests"]): r for r in run.results}
+    for result in run.results:
+        shutil.rmtree(result["manifest_root"], ignore_errors=True)
+
+
+@pytest.mark.parametrize("manifests", ["shared", "separate"])
+@pytest.mark.parametrize("name", PER_LAYER_HEADS)
+def test_layers_of_other_head_counts_keep_their_manifest_and_are_judged(
+    per_layer_heads: dict[Any, Any], name: str, manifests: str
+) -> None:
+    result = per_layer_heads[(name, manifests)]
+    assert not [e for e in result["events"] if e["event"] == "integration_unavailable"], [
+        e.get("reason") for e in result["events"] if e["event"] == "integration_unavailable"
+    ]
+    _every_element_arrived(result)  # vLLM moves these right: the oracle's word
+    events = _layout_events(result)
+    assert len(events) == len(result["reads"])
+    for event in events:
+        assert (event["event"], event["verdict"], event["findings"]) == (
+            "layout_checked",
+            "compatible",
+            0,
+        )
+        assert event["layers"] == harness.LAYERS
+    _, d = PER_LAYER_HEADS[name]
+    written = {
+        Manifest.model_validate(m).topology.engine: Manifest.model_validate(m)
+        for m in result["manifests"].values()
+        if Manifest.model_validate(m).topology.tp_rank == d.tp - 1
+    }
+    last_d = next(m for engine, m in written.items() if str(engine).endswith("-D"))
+    # D's last rank holds its share of each layer's own heads
+    share = [TWO_PAGES[i] // d.tp for i in range(3)]
+    assert [last_d.layers[f"model.layers.{i}.self_attn.attn"].heads for i in range(3)] == [
+        tuple(range((d.tp - 1) * n, d.tp * n)) for n in share
+    ]
+    if manifests == "shared":
+        engines = Path(result["manifest_dir"]["P"]) / f"{_index(result)}-{name}"
+        command = ["diff", f"{engines}-P", f"{engines}-D"]  # no --rule: the connector's
+        done = subprocess.run([sys.executable, "-m", "safeview", *command], capture_output=True,
+                              text=True)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "rule vllm_nixl of connector NixlConnector" in done.stdout
+
+
+def _index(result: dict[str, Any]) -> str:
+    return Path(result["manifest_files"]["P"][0]).parts[0].split("-")[0]

@@ -65,27 +65,33 @@ class Engine:
     block_size: int = 32
     num_blocks: int = 10
     model: str = "llama"
+    # each layer's own KV heads (a model whose layers hold different numbers: two page sizes
+    # in one cache), the model's config still saying TOTAL_HEADS; None: TOTAL_HEADS each
+    layer_heads: tuple[int, ...] | None = None
 
     @property
     def mla(self) -> bool:
         return self.model == "deepseek_v2"
 
-    def heads(self) -> int:
-        """KV heads per rank: ``max(1, H // TP)`` (1 for MLA: one latent)."""
-        return 1 if self.mla else max(1, TOTAL_HEADS // self.tp)
+    def total_heads(self, layer: int = 0) -> int:
+        return TOTAL_HEADS if self.layer_heads is None else self.layer_heads[layer]
 
-    def first_head(self, rank: int) -> int:
-        """The global KV head a rank's first head is (vLLM's sharding; with more ranks than
-        heads, ``TP // H`` ranks hold each head)."""
+    def heads(self, layer: int = 0) -> int:
+        """KV heads per rank of ``layer``: ``max(1, H // TP)`` (1 for MLA: one latent)."""
+        return 1 if self.mla else max(1, self.total_heads(layer) // self.tp)
+
+    def first_head(self, rank: int, layer: int = 0) -> int:
+        """The global KV head a rank's first head of ``layer`` is (vLLM's sharding; with more
+        ranks than heads, ``TP // H`` ranks hold each head)."""
         if self.mla:
             return 0
-        if self.tp <= TOTAL_HEADS:
-            return rank * self.heads()
-        return rank * TOTAL_HEADS // self.tp
+        if self.tp <= self.total_heads(layer):
+            return rank * self.heads(layer)
+        return rank * self.total_heads(layer) // self.tp
 
     def case(self) -> Any:
-        heads = None if self.mla else self.heads()
-        return base.Case(self.model, self.layout, (heads,) * LAYERS, self.block_size)
+        heads = tuple(None if self.mla else self.heads(layer) for layer in range(LAYERS))
+        return base.Case(self.model, self.layout, heads, self.block_size)
 
 
 @dataclass(frozen=True)
@@ -305,23 +311,23 @@ def _oracle(
     ``safeview.diff`` must name), -1 when only later blocks are wrong, else None."""
     import torch
 
-    heads_d, heads_p = d_engine.heads(), p.heads()
     n_d, n_p = d_engine.block_size, p.block_size
     tokens = len(remote_blocks) * n_p
     layers: dict[str, Any] = {}
     for index in range(LAYERS):
         name = base.layer_name(index)
+        heads_d, heads_p = d_engine.heads(index), p.heads(index)
         got_cache = d.kv_caches[name].view(torch.int16)
         total = wrong = 0
         first = None
         lowest: int | None = None  # in D's first filled block's page, in bytes
         for i, local in enumerate(local_blocks):
             for h in range(heads_d):
-                g = d_engine.first_head(d_rank) + h
+                g = d_engine.first_head(d_rank, index) + h
                 # the first P rank that holds head g (replicas hold the same bytes)
-                rank = next(r for r in range(p.tp) if p.first_head(r) + heads_p > g)
+                rank = next(r for r in range(p.tp) if p.first_head(r, index) + heads_p > g)
                 source = p_sides[rank].kv_caches[name].view(torch.int16)
-                g -= p.first_head(rank)  # P's local head
+                g -= p.first_head(rank, index)  # P's local head
                 for t in range(n_d):
                     flat = i * n_d + t
                     if flat >= tokens:
@@ -342,7 +348,7 @@ def _oracle(
                         first = {
                             "local_block": local,
                             "head": h,
-                            "global_head": d_engine.first_head(d_rank) + h,
+                            "global_head": d_engine.first_head(d_rank, index) + h,
                             "token": t,
                             "kv": "K" if element < half else "V",
                             "element": element % half,
@@ -387,7 +393,7 @@ def _run_pair(child: Any, index: int, pair: Pair) -> dict[str, Any]:
             d_sides = [_allocate(child, pair.d, d_id, r, d_fault) for r in range(pair.d.tp)]
             peer_sides: list[Any] = []
             peer = Engine(pair.d.layout, pair.d.tp, pair.d.block_size, pair.d.num_blocks,
-                          pair.d.model)  # fmt: skip
+                          pair.d.model, pair.d.layer_heads)  # fmt: skip
             if pair.healthy_peer:
                 peer_sides = [_allocate(child, peer, peer_id, r, None) for r in range(peer.tp)]
             sides = [*p_sides, *peer_sides, *d_sides]

@@ -1,0 +1,374 @@
+"""The layout manifest's model: what a ``Manifest`` file holds (``urn:safeview:manifest:1``), its
+checks on reading (every count below 2**62, pages that nest, fingerprints that match), its JSON
+round trip and its fingerprints, whose canonical text is a stable format (docs/layouts.md). Part
+of ``safeview.manifest``, which derives manifests (from tensors, geometries and connectors'
+formats) and is the module to import: every name here is re-exported there. No torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from safeview.check import StorageRecord, ViewRecord
+from safeview.errors import ManifestError
+from safeview.spec import DTYPE_ITEMSIZE, DTypeName
+
+__all__ = [
+    "CONNECTOR_RULES",
+    "MANIFEST_SCHEMA",
+    "MAX_BYTES",
+    "MAX_HEADS",
+    "MAX_RANKS",
+    "Layer",
+    "LayerKind",
+    "Manifest",
+    "PageAxis",
+    "Topology",
+]
+
+MANIFEST_SCHEMA: Literal["urn:safeview:manifest:1"] = "urn:safeview:manifest:1"
+PageAxisName = Literal["kv", "token", "head", "element"]
+LayerKind = Literal["attention", "latent", "state"]
+# Every byte count, stride and number of a manifest stays below 2**62, so that a page's byte
+# addresses (first byte + block * stride + page byte) are exact in numpy's int64 and in C.
+MAX_BYTES = 1 << 62
+Count = Annotated[int, Field(strict=True, ge=0, lt=MAX_BYTES)]
+Positive = Annotated[int, Field(strict=True, ge=1, lt=MAX_BYTES)]
+MAX_HEADS = 1 << 16  # KV heads of a model: a manifest lists each rank's; real models hold <= 128
+MAX_RANKS = 1 << 16  # a TP size: diff walks the ranks one by one; real engines run <= 1,024
+CONNECTOR_RULES: dict[str, str] = {"NixlConnector": "vllm_nixl"}
+"""The ``safeview.diff`` rule of each connector a manifest can name (``topology.connector``);
+a connector not listed moves pages by ``page_copy``."""
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class PageAxis(BaseModel):
+    """One logical axis of a page: its meaning, its length and its byte stride. ``outer`` marks
+    an axis that lies outside the block axis (``(2, num_blocks, ...)``: K and V pages apart)."""
+
+    model_config = _FROZEN
+
+    axis: PageAxisName
+    size: Positive
+    stride_bytes: Count
+    outer: bool = False
+
+
+class Topology(BaseModel):
+    """Where a manifest's engine sits: its tensor-parallel rank and size, the model's total KV
+    heads and the global heads this rank holds (in its local head order), block tokens (the
+    kernel's, and the engine's logical block), and the engine's name, version and own name for
+    its layout (vLLM's ``LBHNC``; for ``assumed``, the connector's format), as reported; the
+    connector that wrote it (vLLM's ``NixlConnector``), whose rule ``safeview.diff`` uses."""
+
+    model_config = _FROZEN
+
+    tp_rank: Count = 0
+    tp_size: Annotated[int, Field(strict=True, ge=1, le=MAX_RANKS)] = 1
+    total_kv_heads: Annotated[int, Field(strict=True, ge=1, le=MAX_HEADS)] | None = None
+    heads: tuple[Count, ...] | None = None
+    kernel_block_tokens: Positive | None = None
+    logical_block_tokens: Positive | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    layout: str | None = None
+    # written only when known: a file without it stays readable by 0.4.1, which refuses keys
+    # it does not know
+    connector: str | None = Field(default=None, exclude_if=lambda value: value is None)
+
+    @model_validator(mode="after")
+    def _rank_in_range(self) -> Topology:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        return self
+
+
+class Layer(BaseModel):
+    """One layer's page: ``axes`` in physical order (outermost first; size-1 axes first, with
+    stride 0), ``page_bytes`` (the bytes one block holds: its chunks, each the span of the inner
+    axes), where block 0 starts (``byte_offset``) and the distance between blocks
+    (``block_stride_bytes``), the global KV heads its head axis holds, and a ``fingerprint`` of
+    what every page byte means (its placement, offsets and block count left out)."""
+
+    model_config = _FROZEN
+
+    kind: LayerKind
+    dtype: DTypeName
+    itemsize: Positive
+    group: int | str | None = None
+    num_blocks: Count
+    block_stride_bytes: Count
+    byte_offset: Count
+    page_bytes: Count
+    chunk_bytes: Count
+    axes: tuple[PageAxis, ...]
+    heads: tuple[Count, ...] = ()
+    fingerprint: str = ""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Layer:
+        if DTYPE_ITEMSIZE[self.dtype] != self.itemsize:
+            raise ValueError(f"itemsize {self.itemsize} is not that of {self.dtype}")
+        names = [axis.axis for axis in self.axes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"axes name one meaning twice: {names}")
+        head = next((axis for axis in self.axes if axis.axis == "head"), None)
+        if self.kind == "attention" and "kv" not in names:
+            raise ValueError("an attention layer needs a kv axis")
+        if head is not None and self.heads and len(self.heads) != head.size:
+            raise ValueError(f"heads {list(self.heads)} do not match the head axis ({head.size})")
+        # a page that a file describes must be one describe() could have derived: the inner
+        # axes nest (innermost first, each holding the span inside it) and make the chunk
+        span, chunks = self.itemsize, 1
+        for axis in sorted((a for a in self.axes if a.size > 1), key=lambda a: a.stride_bytes):
+            if axis.outer:
+                chunks *= axis.size
+                continue
+            if axis.stride_bytes < span:
+                raise ValueError(
+                    f"axis {axis.axis} (stride {axis.stride_bytes} bytes) overlaps the axes "
+                    f"inside it, which span {span} bytes"
+                )
+            span += (axis.size - 1) * axis.stride_bytes
+        if (self.chunk_bytes, self.page_bytes) != (span, span * chunks):
+            raise ValueError(
+                f"chunk_bytes {self.chunk_bytes} and page_bytes {self.page_bytes} are not what "
+                f"the axes make ({span} and {span * chunks})"
+            )
+        fingerprint = _layer_fingerprint(self)
+        if self.fingerprint and self.fingerprint != fingerprint:
+            raise ValueError(
+                f"fingerprint {self.fingerprint[:12]}... does not match the layer "
+                f"({fingerprint[:12]}...): edited, or written by another version"
+            )
+        last = self.byte_offset + max(self.num_blocks - 1, 0) * self.block_stride_bytes
+        last += sum((axis.size - 1) * axis.stride_bytes for axis in self.axes) + self.itemsize
+        if last > MAX_BYTES:
+            raise ValueError(
+                f"its last byte ({last:.3g}) lies past the {MAX_BYTES:,} bytes (2**62) a "
+                "manifest can address"
+            )
+        object.__setattr__(self, "fingerprint", fingerprint)
+        return self
+
+    def size_of(self, axis: str) -> int:
+        """The length of a page axis, 1 when the page has none."""
+        return next((a.size for a in self.axes if a.axis == axis), 1)
+
+    def block_records(self, name: str, storage: str) -> list[ViewRecord]:
+        """This layer's pages as the checker's int8 block views (``safeview.check``), as
+        ``safeview.kv.block_views`` makes them: one ``(num_blocks, page_bytes)`` view with the
+        block stride from the first byte; where axes lie outside the block axis (K and V pages
+        apart, ``(2, num_blocks, ...)``), one view per chunk of the page, ``name[i]``, chunk
+        ``i`` counted with the innermost outer axis fastest (K is ``[0]``, V ``[1]``)."""
+        offsets = [self.byte_offset]
+        for axis in (a for a in self.axes if a.outer):
+            offsets = [at + i * axis.stride_bytes for at in offsets for i in range(axis.size)]
+        split = len(offsets) > 1
+        return [
+            ViewRecord.block(
+                f"{name}[{index}]" if split else name,
+                storage,
+                num_blocks=self.num_blocks,
+                page_bytes=self.chunk_bytes,
+                block_stride_bytes=self.block_stride_bytes,
+                byte_offset=offset,
+                group=self.group,
+            )
+            for index, offset in enumerate(offsets)
+        ]
+
+
+class Manifest(BaseModel):
+    """What an engine's KV-cache bytes mean, per layer by name; see the module's docstring.
+
+    ``Manifest.from_json(text)`` reads one (``ManifestError`` naming the field when it is not a
+    manifest of this schema); ``to_json()`` writes it; ``fingerprint`` is the sha256 of the
+    canonical JSON of every layer's name and page meaning and of the topology's head mapping:
+    the same layout gives the same fingerprint on any machine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    schema_: Literal["urn:safeview:manifest:1"] = Field(default=MANIFEST_SCHEMA, alias="$schema")
+    topology: Topology = Topology()
+    layers: dict[str, Layer]
+    fingerprint: str = ""
+
+    @model_validator(mode="after")
+    def _fingerprinted(self) -> Manifest:
+        fingerprint = _fingerprint_of(
+            (name, layer.fingerprint) for name, layer in self.layers.items()
+        )
+        if self.fingerprint and self.fingerprint != fingerprint:
+            raise ValueError(
+                f"fingerprint {self.fingerprint[:12]}... does not match the layers "
+                f"({fingerprint[:12]}...): a layer was renamed, added or edited"
+            )
+        object.__setattr__(self, "fingerprint", fingerprint)
+        return self
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return self.model_dump_json(by_alias=True, indent=indent)
+
+    def records(
+        self,
+        storage_of: Mapping[str, str] | str = "storage0",
+        storages: Mapping[str, StorageRecord | int] | None = None,
+    ) -> tuple[dict[str, StorageRecord], list[ViewRecord]]:
+        """The manifest as the checker's records (``safeview.check.check_views``), the one
+        memory model that check, transfer (``MemoryMap.from_manifest``) and diff read: each
+        layer's pages as ``Layer.block_records``, in layer order. ``storage_of`` names the
+        storage each layer lies in (a mapping by layer name, or one name for all: a manifest
+        says where a layer starts, not in which allocation); ``storages`` gives those storages'
+        sizes or ``StorageRecord``s (default: each just large enough for its views).
+        ``ManifestError`` names a layer without a storage, or a storage without a size."""
+        views: list[ViewRecord] = []
+        for name, layer in self.layers.items():
+            if isinstance(storage_of, str):
+                storage = storage_of
+            elif name in storage_of:
+                storage = storage_of[name]
+            else:
+                raise ManifestError(f"storage_of[{name!r}]", None, "is missing: no storage given")
+            views += layer.block_records(name, storage)
+        found: dict[str, StorageRecord] = {}
+        for view in views:
+            if storages is None:
+                known = found.get(view.storage, StorageRecord(0))
+                found[view.storage] = StorageRecord(max(known.nbytes, view.extent_bytes))
+            elif view.storage not in storages:
+                raise ManifestError(f"storages[{view.storage!r}]", None, "is missing: no size")
+            else:
+                size = storages[view.storage]
+                found[view.storage] = (
+                    size if isinstance(size, StorageRecord) else StorageRecord(size)
+                )
+        return found, views
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str = "manifest") -> Manifest:
+        """Read a manifest; ``ManifestError`` naming the field (and the file as ``source``)
+        for anything that is not one of this schema: another ``$schema``, truncated JSON, an
+        axis of unknown meaning."""
+        if not isinstance(text, (str, bytes)):
+            raise ManifestError(source, type(text).__name__, "is not JSON text (str or bytes)")
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ManifestError(source, _short(text), f"is not JSON ({error})") from None
+        except RecursionError:  # a manifest is four levels deep; this is no manifest
+            raise ManifestError(
+                source, _short(text), "nests deeper than Python's JSON reader can follow"
+            ) from None
+        if not isinstance(data, dict):
+            raise ManifestError(source, type(data).__name__, "is not a JSON object")
+        schema = data.get("$schema")
+        if schema != MANIFEST_SCHEMA:
+            raise ManifestError(f"{source}: $schema", schema, f"is not {MANIFEST_SCHEMA!r}")
+        manifest: Manifest = _validated(cls, data, source)
+        return manifest
+
+    @classmethod
+    def read(cls, path: str | Path) -> Manifest:
+        file = Path(path)
+        try:
+            text = file.read_bytes()
+        except OSError as error:
+            raise ManifestError(str(file), None, f"cannot be read: {error.strerror}") from None
+        return cls.from_json(text, source=str(file))
+
+    def file_name(self) -> str:
+        """``ENGINE.tpRANKofSIZE.manifest.json``: one file per engine and rank, so that one
+        folder can hold both engines of a pair."""
+        return _file_name(self.topology)
+
+
+def _validated(model: type[Any], data: Any, where: str, joint: str = ": ") -> Any:
+    """``model.model_validate(data)``, its refusal a ``ManifestError`` that names the field
+    (``where: layers['l'].axes[1].axis``), its value when it is short, and the limit."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise _refused(error, where, joint) from None
+
+
+def _refused(error: ValidationError, where: str, joint: str = ": ") -> ManifestError:
+    first = error.errors(include_url=False)[0]
+    loc = first["loc"]
+    field = "".join(
+        f"[{part}]" if isinstance(part, int)
+        else f"[{part!r}]" if at and loc[at - 1] == "layers"
+        else f".{part}"
+        for at, part in enumerate(loc)
+    )  # fmt: skip
+    value = first.get("input")
+    # a whole layer, or the whole manifest, is no value to print: its field says which
+    shown = None if isinstance(value, (dict, list, tuple)) else value
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if message.startswith("fingerprint "):  # the check of the whole: name the field it reads
+        field, message = f"{field}.fingerprint", message.removeprefix("fingerprint ")
+    field = field.lstrip(".") or "(manifest)"
+    return ManifestError(f"{where}{joint if field[0] != '[' else ''}{field}", shown, message)
+
+
+def _file_name(topology: Topology) -> str:
+    engine = (topology.engine or "engine").replace("/", "_")
+    return f"{engine}.tp{topology.tp_rank}of{topology.tp_size}.manifest.json"
+
+
+def _short(text: str | bytes) -> str:
+    shown = text if isinstance(text, str) else text[:200].decode("utf-8", "replace")
+    return shown[:40] + ("..." if len(shown) > 40 else "")
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _page_meaning(layer: Layer) -> dict[str, Any]:
+    """What a page's bytes mean, and nothing about where pages lie: outer axes keep their order
+    but not their strides (those depend on the number of blocks)."""
+    return {
+        "kind": layer.kind,
+        "dtype": layer.dtype,
+        "page_bytes": layer.page_bytes,
+        "chunk_bytes": layer.chunk_bytes,
+        "axes": [[a.axis, a.size, "outer" if a.outer else a.stride_bytes] for a in layer.axes],
+        "heads": list(layer.heads),
+    }
+
+
+_FINGERPRINTS: dict[tuple[Any, ...], str] = {}
+
+
+def _layer_fingerprint(layer: Layer) -> str:
+    # layers of one shape are many (1,000 in a model): hash each page meaning once
+    key = (
+        layer.kind,
+        layer.dtype,
+        layer.page_bytes,
+        layer.chunk_bytes,
+        tuple((a.axis, a.size, a.stride_bytes, a.outer) for a in layer.axes),
+        layer.heads,
+    )
+    found = _FINGERPRINTS.get(key)
+    if found is None:
+        if len(_FINGERPRINTS) > 4096:
+            _FINGERPRINTS.clear()
+        found = _FINGERPRINTS[key] = hashlib.sha256(
+            _canonical(_page_meaning(layer)).encode()
+        ).hexdigest()
+    return found
+
+
+def _fingerprint_of(pairs: Iterable[tuple[str, str]]) -> str:
+    """sha256 of the canonical JSON of ``[[name, layer fingerprint], ...]`` in name order."""
+    ordered = sorted(pairs)
+    return hashlib.sha256(json.dumps(ordered, separators=(",", ":")).encode()).hexdigest()
