@@ -3,8 +3,9 @@
 A ``.pth`` file must sit at the top of site-packages to be read at interpreter start, outside the
 package folder; hatchling copies it there for a regular wheel (``pip install .``) and for an
 editable one (``pip install -e .``) alike. The hook's one line reads ``SAFEVIEW_GUARD`` and, when
-it is unset or empty, imports nothing; set, it finds and loads ``safeview/_startup.py`` with the
-import machinery the interpreter has already loaded (``safeview/_startup.py`` says what it does).
+it is unset or empty, imports nothing; set, it finds and loads ``safeview/guard/_startup.py`` with
+the import machinery the interpreter has already loaded (``safeview/guard/_startup.py`` says what it
+does).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-SOURCE = "safeview/_guard.pth"
+SOURCE = "safeview/guard/_guard.pth"
 INSTALLED = "safeview-guard.pth"
 
 

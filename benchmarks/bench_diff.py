@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 import safeview
-from safeview._vllm_layout import write_manifest
 from safeview.kv import block_views
 from safeview.manifest import Manifest, assumed, vllm_axes
+from safeview.vllm._layout import write_manifest
 
 HEADS, TOKENS, HEAD_SIZE, BLOCKS = 8, 16, 128, 1000
 

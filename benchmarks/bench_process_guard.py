@@ -1,4 +1,5 @@
-"""What the process guard (``SAFEVIEW_GUARD``, ``safeview.process.start``) costs, with verdicts.
+"""What the process guard (``SAFEVIEW_GUARD``, ``safeview.guard.process.start``) costs, with
+verdicts.
 
 - ordinary torch ops (an add, a slice, a view, a reduction: none of them a watched entry point),
   1,000,000 of them with the guard off and 1,000,000 with it on, in one process, side by side:
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from safeview import process
+from safeview.guard import process
 
 
 def _per_call(fn: Callable[[], object], calls: int) -> float:

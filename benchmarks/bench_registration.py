@@ -173,7 +173,7 @@ def _pass_on(self: PassOn, func: Any, types: Any, args: Any = (), kwargs: Any = 
     return func(*args, **(kwargs or {}))
 
 
-# As safeview._torch_dispatch does for its guard: set after the class is made, so that
+# As safeview.guard._torch_dispatch does for its guard: set after the class is made, so that
 # TorchDispatchMode.__init_subclass__ does not wrap it in torch._disable_dynamo.
 PassOn.__torch_dispatch__ = _pass_on  # type: ignore[method-assign,assignment,unused-ignore]
 

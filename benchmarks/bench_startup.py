@@ -1,14 +1,14 @@
 """What ``SAFEVIEW_GUARD`` costs every Python process a guarded server starts, with a verdict.
 
 Every process whose environment sets ``SAFEVIEW_GUARD`` runs the start-up hook
-(``safeview-guard.pth`` loads ``safeview/_startup.py``), torch or not. This measures it as users
-pay it: a real ``python -c pass`` subprocess with ``SAFEVIEW_GUARD=strict`` against one with the
-variable unset, interleaved (odd rounds in reverse order, so that both halves see the same load),
-and compares the medians. Target: at most +3 ms.
+(``safeview-guard.pth`` loads ``safeview/guard/_startup.py``), torch or not. This measures it as
+users pay it: a real ``python -c pass`` subprocess with ``SAFEVIEW_GUARD=strict`` against one with
+the variable unset, interleaved (odd rounds in reverse order, so that both halves see the same
+load), and compares the medians. Target: at most +3 ms.
 
 It also names the modules the hook imports that ``python -c pass`` does not (target: none but
-``safeview._startup`` itself), and whether ``_startup.py``'s bytecode is cached: an installed wheel
-has it; with ``PYTHONDONTWRITEBYTECODE`` set and no cache, every start compiles the file again
+``safeview.guard._startup`` itself), and whether ``_startup.py``'s bytecode is cached: an installed
+wheel has it; with ``PYTHONDONTWRITEBYTECODE`` set and no cache, every start compiles the file again
 (about 1 ms more).
 
 Run: python benchmarks/bench_startup.py [--rounds 40] [--python PATH]
@@ -33,7 +33,7 @@ MODULES = "import sys; print(sorted(sys.modules))"
 CACHED = (
     "import importlib.util as u, os; s = u.find_spec('safeview'); "
     "print(os.path.exists(u.cache_from_source("
-    "os.path.join(list(s.submodule_search_locations)[0], '_startup.py'))))"
+    "os.path.join(list(s.submodule_search_locations)[0], 'guard', '_startup.py'))))"
 )
 
 
@@ -94,7 +94,7 @@ def main() -> int:
     print(f"modules the hook adds: {sorted(extra)}")
     print(f"python -c pass, SAFEVIEW_GUARD unset:  median {plain_ms:6.2f} ms")
     print(f"python -c pass, SAFEVIEW_GUARD=strict: median {hooked_ms:6.2f} ms")
-    within = cost_ms <= TARGET_MS and extra <= {"safeview._startup"}
+    within = cost_ms <= TARGET_MS and extra <= {"safeview.guard._startup"}
     verdict = "PASS" if within else "FAIL"
     print(f"start-up cost: {cost_ms:+.2f} ms (target <= +{TARGET_MS:.0f} ms, no module "
           f"beyond the hook's own): {verdict}")  # fmt: skip

@@ -44,8 +44,8 @@ import vllm_harness as harness  # type: ignore[import-not-found,unused-ignore]
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from safeview import sanitize
-from safeview._vllm_layout import ENV_MANIFEST_DIR
 from safeview.vllm import _guarded as guard_connector
+from safeview.vllm._layout import ENV_MANIFEST_DIR
 
 
 class _PassOn(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignore]
@@ -56,7 +56,7 @@ def _pass_on(self: _PassOn, func: Any, types: Any, args: Any = (), kwargs: Any =
     return func(*args, **(kwargs or {}))
 
 
-# As safeview._torch_dispatch does for its guard: set after the class is made, so that
+# As safeview.guard._torch_dispatch does for its guard: set after the class is made, so that
 # TorchDispatchMode.__init_subclass__ does not wrap it in torch._disable_dynamo.
 _PassOn.__torch_dispatch__ = _pass_on  # type: ignore[method-assign,assignment,unused-ignore]
 

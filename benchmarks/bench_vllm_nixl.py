@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 import vllm_nixl_harness as harness  # type: ignore[import-not-found,unused-ignore]
 
 import safeview
-from safeview._vllm_layout import ENV_MANIFEST_DIR
 from safeview.manifest import Manifest
+from safeview.vllm._layout import ENV_MANIFEST_DIR
 
 _GUARDED = "guarded register_kv_caches"
 _WRITING = "the same, writing its manifest"

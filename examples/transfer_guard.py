@@ -56,7 +56,7 @@ def kv_cache() -> tuple[torch.Tensor, object]:
 def nixl_example() -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from safeview import nixl
+    from safeview.transfer import nixl
 
     kv, registration = kv_cache()
     destination = torch.zeros_like(kv)
@@ -104,7 +104,7 @@ def nixl_example() -> None:
 def mooncake_example() -> None:
     from mooncake.engine import TransferEngine
 
-    from safeview import mooncake
+    from safeview.transfer import mooncake
 
     kv, registration = kv_cache()
     destination = torch.zeros_like(kv)

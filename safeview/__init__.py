@@ -4,16 +4,14 @@ A layout spec goes in (``BlockLayout`` or ``StridedLayout``); its exact byte ext
 against the storage, a declared region and the policy in force; an ``as_strided`` view comes out,
 never a copy, never a resized storage; and each decision leaves a structured log event.
 
-The pipeline, one module each: ``spec`` (layouts) -> ``check`` (the one checker, with
-``findings`` and the ``overlap`` sweeps) -> ``view`` (``make_view``) -> ``log`` (events). Around
-it: ``kv`` (whole-cache registration from live tensors), ``sanitize`` (every view that code we do
-not own makes, checked before it is made), ``transfer`` (the descriptors a connector hands to a
-transfer engine, judged against the views they must hit) with a thin guard per engine (``nixl``,
-``mooncake``), ``vllm`` (vLLM's own views and its plugin), ``plan`` and ``cli`` (layouts as JSON
-files and the ``safeview`` command). Only the torch-boundary modules import torch: ``_torch``
-(storages, byte geometry and the views made of them), ``_torch_dispatch`` (the dispatch-level
-guard under ``sanitize``) and ``_entry_guard`` (the process-wide guard's entry-point patches).
-Importing safeview does not; the names that need torch load it on first use.
+The core, at the root, one module each: ``spec`` (layouts) -> ``check`` (the one checker, with
+``findings`` and the ``overlap`` sweeps) -> ``view`` (``make_view``, through the torch boundary
+``_torch``) -> ``log`` (events); ``kv`` makes whole registrations from live tensors. A folder per
+face and per engine stands on it: ``guard`` (``sanitize()`` and the process guard), ``transfer``
+(descriptors judged against the views they must hit; NIXL and Mooncake guards), ``manifest``
+(what each page byte means, and ``diff``), ``cli`` (the ``safeview`` command), ``vllm`` (vLLM's
+names and its plugin); docs/architecture.md draws it. Only the torch boundary imports torch;
+importing safeview does not: the names that need torch load it on first use.
 """
 
 from __future__ import annotations
@@ -35,20 +33,20 @@ from safeview.errors import (
     UnprovenWriteError,
 )
 from safeview.findings import Finding
+from safeview.guard.sanitize import sanitize
 from safeview.log import configure_from_env, configure_logging, reset_logging
 from safeview.overlap import find_overlaps
 from safeview.plan import Plan, PlanStorage, PlanView
 from safeview.policy import Policy, current_policy, policy_scope
-from safeview.sanitize import sanitize
 from safeview.spec import BlockLayout, Layout, Region, SpecError, StridedLayout, packed_layouts
 
 if TYPE_CHECKING:
     from safeview import kv, vllm
-    from safeview.layout_diff import diff
     from safeview.manifest import Manifest, describe
+    from safeview.manifest.diff import diff
     from safeview.view import make_view
 
-__version__ = "0.4.1"
+__version__ = "0.5.0"
 
 __all__ = [
     "AddressError",
@@ -96,7 +94,7 @@ _NEEDS_TORCH = {"make_view": "safeview.view", "kv": "safeview.kv", "vllm": "safe
 _LATER = {
     "describe": "safeview.manifest",
     "Manifest": "safeview.manifest",
-    "diff": "safeview.layout_diff",
+    "diff": "safeview.manifest.diff",
 }
 
 
@@ -107,7 +105,7 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     module = importlib.import_module(module_name)
-    value = module if module_name.endswith("." + name) else getattr(module, name)
+    value = module if name in ("kv", "vllm") else getattr(module, name)
     globals()[name] = value
     return value
 

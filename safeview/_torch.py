@@ -3,9 +3,9 @@
 What storage and memory a tensor lives in (``storage_of``, ``storage_facts``), its byte geometry
 (``geometry``, ``block_geometry``), the ``as_strided`` that makes a view (``view_of``,
 ``strided_view``) and the call site of an op (``_site``). The other half is
-``safeview._torch_dispatch``, the dispatch-level guard under ``sanitize()``; the process-wide
-guard's entry-point patches are ``safeview._entry_guard``. Only these modules import torch; the
-rest of the package works on integers. Importing this module is how the package asks for torch:
+``safeview.guard._torch_dispatch``, the dispatch-level guard under ``sanitize()``; the process-wide
+guard's entry-point patches are ``safeview.guard._entry_guard``. Only these modules import torch;
+the rest of the package works on integers. Importing this module is how the package asks for torch:
 without it, the ``ImportError`` says what to install.
 
 safeview calls the four-argument ``Tensor.set_`` (which reallocates a resizable storage that is

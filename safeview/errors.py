@@ -271,7 +271,7 @@ class UnprovenWriteError(SafeViewError):
 class CoverageError(SafeViewError):
     """A layer that a connector is to transfer (or part of one) lies in no descriptor it prepared
     for its transfers: its bytes would never be transferred, and the engine would report every
-    transfer done (``safeview.coverage``).
+    transfer done (``safeview.transfer.coverage``).
 
     Attributes: ``findings`` (one ``unregistered`` finding per layer left out), ``finding`` (the
     first), ``layers`` (the names of the layers left out), ``policy``, ``source`` (the guard that

@@ -1,5 +1,5 @@
 """What can be wrong with a view: one ``Finding`` type, one ``kind`` vocabulary, one message per
-kind. Plain data; imports nothing of safeview (but its diff sentences), torch or pydantic.
+kind. Plain data; imports nothing of safeview, torch or pydantic.
 
 =================  ==========================================================================
 ``kind``           the invariant that is broken
@@ -23,13 +23,13 @@ Descriptors handed to a transfer engine (``safeview.transfer``) have kinds of th
 ``overlapping_writes``      two descriptors of one batch write the same byte
 ``duplicate_registration``  a region registered with an engine overlaps one registered before
 ``unregistered``            a layer to be transferred, or part of one, is in no descriptor list
-                            prepared for its transfers (``safeview.coverage``)
+                            prepared for its transfers (``safeview.transfer.coverage``)
 ==========================  =================================================================
 
 Two manifests compared by ``safeview.diff`` have the kinds ``byte`` (a byte a receiver reads as
 something else than what its sender wrote there), ``dtype``, ``missing_layer``, ``missing_rank``
-and ``refused`` (a pair the connector refuses); their sentences are in ``safeview._findings_diff``,
-a base of ``Finding``.
+and ``refused`` (a pair the connector refuses); their constructors
+are the last below.
 
 Every finding is built by one of the constructors below, which also write its sentence;
 errors (``safeview.errors``), events (``safeview.log``) and the command line all read the same
@@ -42,10 +42,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from safeview._findings_diff import DiffFindings
-
 if TYPE_CHECKING:
-    from safeview._meaning import Meaning
+    from safeview.manifest.diff import Meaning
 
 __all__ = ["DESCRIPTOR_KINDS", "DIFF_KINDS", "KINDS", "Descriptor", "Finding", "Kind"]
 
@@ -130,7 +128,7 @@ def _covers(storage: str | None, byte_offset: int | None, extent_bytes: int | No
 
 
 @dataclass(frozen=True, slots=True)
-class Finding(DiffFindings):
+class Finding:
     """One broken invariant of one view (or of one pair of views), with its numbers.
 
     ``views`` holds one name (two for ``overlap``); ``storage`` names the storage in a plan or a
@@ -706,6 +704,141 @@ class Finding(DiffFindings):
             layer=layer,
             count=pages_missing,
             length_bytes=bytes_missing,
+        )
+
+    # -- two manifests read a layer's bytes differently (``safeview.diff``) ----------------------
+
+    @classmethod
+    def _of_layer(cls, kind: Kind, layer: str | None, message: str, **numbers: Any) -> Finding:
+        """A diff finding of ``kind`` about ``layer``."""
+        return cls(
+            kind, (layer,) if layer is not None else (), None, message, layer=layer, **numbers
+        )
+
+    @classmethod
+    def diff_byte(
+        cls,
+        layer: str,
+        *,
+        byte: int,
+        receiver_reads: Meaning,
+        sender_wrote: Meaning,
+        receiver_rank: int,
+        sender_ranks: tuple[int, ...],
+        block: int | None = None,
+        where: str = "",
+    ) -> Finding:
+        """Receiver page byte ``byte`` (of block ``block``'s page, when the receiver reads the
+        sender's memory in place) reads ``receiver_reads``; the sender wrote ``sender_wrote``
+        there. ``where`` names the ranks, in words, when a side has several."""
+        page = "receiver page byte" if block is None else f"block {block}'s page byte"
+        return cls._of_layer(
+            "byte",
+            layer,
+            f"{layer}: {page} {_n(byte)} reads {receiver_reads.words()}, the sender wrote "
+            f"{sender_wrote.words()} there{where}",
+            byte=byte,
+            block=block,
+            receiver_rank=receiver_rank,
+            sender_ranks=sender_ranks,
+            receiver_reads=receiver_reads,
+            sender_wrote=sender_wrote,
+        )
+
+    @classmethod
+    def diff_past_page(
+        cls,
+        layer: str,
+        *,
+        sender_page_bytes: int,
+        receiver_page_bytes: int,
+        receiver_rank: int,
+        sender_ranks: tuple[int, ...],
+        where: str = "",
+    ) -> Finding:
+        """A page copy of the sender's larger page writes past each receiver page (``byte``:
+        the receiver's page size, the first byte written past it)."""
+        past = sender_page_bytes - receiver_page_bytes
+        return cls._of_layer(
+            "byte",
+            layer,
+            f"{layer}: the sender's page is {_n(sender_page_bytes)} bytes, the receiver's "
+            f"{_n(receiver_page_bytes)}: a page copy writes {_n(past)} bytes past each receiver "
+            f"page{where}",
+            byte=receiver_page_bytes,
+            receiver_rank=receiver_rank,
+            sender_ranks=sender_ranks,
+        )
+
+    @classmethod
+    def diff_dtype(
+        cls,
+        layer: str,
+        *,
+        reads: str,
+        wrote: str,
+        receiver_rank: int,
+        sender_ranks: tuple[int, ...],
+        where: str = "",
+    ) -> Finding:
+        """The receiver reads ``reads`` elements where the sender wrote ``wrote``."""
+        return cls._of_layer(
+            "dtype",
+            layer,
+            f"{layer}: the receiver reads {reads}, the sender wrote {wrote}{where}",
+            byte=0,
+            receiver_rank=receiver_rank,
+            sender_ranks=sender_ranks,
+        )
+
+    @classmethod
+    def missing_layer(cls, layer: str, *, side: Literal["sender", "receiver"]) -> Finding:
+        """Only ``side`` has ``layer``: layers are paired by name, never by position."""
+        return cls._of_layer("missing_layer", layer, f"{layer}: only the {side} has this layer")
+
+    @classmethod
+    def missing_rank(
+        cls,
+        layer: str | None,
+        *,
+        rank: int,
+        receiver_rank: int | None,
+        sender_ranks: tuple[int, ...] = (),
+        where: str = "",
+        side: Literal["sender", "receiver"] = "sender",
+        tp_size: int | None = None,
+    ) -> Finding:
+        """No ``side`` manifest for ``rank`` (``layer`` None; ``tp_size`` the TP size that side
+        declares), or the rank-``rank`` sender manifest that ``layer`` of ``receiver_rank``
+        reads from (or its layer) is missing."""
+        if layer is None and tp_size is not None:
+            judged = "is not judged" if side == "receiver" else "is read by no receiver rank judged"
+            message = (
+                f"the {side} declares TP {tp_size} but no manifest of its rank {rank} was "
+                f"given: rank {rank} {judged}"
+            )
+        elif layer is None:
+            message = f"no {side} manifest for rank {rank}"
+        else:
+            message = f"{layer}: the sender's rank {rank} manifest (or its layer) is missing{where}"
+        return cls._of_layer(
+            "missing_rank",
+            layer,
+            message,
+            receiver_rank=receiver_rank,
+            sender_ranks=sender_ranks,
+        )
+
+    @classmethod
+    def refused(
+        cls, layer: str, *, connector: str, reason: str, receiver_rank: int, where: str = ""
+    ) -> Finding:
+        """``connector`` itself refuses to move ``layer`` between the two sides: ``reason``."""
+        return cls._of_layer(
+            "refused",
+            layer,
+            f"{layer}: {connector} refuses this pair: {reason}{where}",
+            receiver_rank=receiver_rank,
         )
 
 

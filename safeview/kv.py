@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from safeview import _torch, log, process
+from safeview import _torch, log
 from safeview.check import Report, StorageRecord, ViewRecord, check_views
 from safeview.errors import ArgumentError, BoundsError, OverlapError
 from safeview.findings import Finding
+from safeview.guard import process
 from safeview.plan import Plan
 from safeview.policy import Policy, PolicyArg, current_policy
 from safeview.spec import BlockLayout, Positive, Region, Spec, _index
@@ -671,7 +672,7 @@ def guard_registration(
     connector that returns one (the KV-cache config is usually known only once the connector
     exists). ``async def`` methods are checked for the whole of their run.
     """
-    from safeview.sanitize import Sanitizer, _decorate
+    from safeview.guard.sanitize import Sanitizer, _decorate
 
     def decorate(function: F) -> F:
         def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

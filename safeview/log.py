@@ -464,7 +464,7 @@ def _pair(fields: dict[str, Any]) -> dict[str, Any]:
 
 def layout_checked(*, verdict: Literal["compatible", "not_judged"], **fields: Any) -> None:
     """``layout_checked`` (INFO): the vLLM plugin judged whether a decode worker reads a prefill
-    engine's KV-cache bytes as that engine meant them (``safeview._vllm_layout``), and found
+    engine's KV-cache bytes as that engine meant them (``safeview.vllm._layout``), and found
     them compatible, or left the pair to vLLM (``not_judged``, with the reason). ``fields``:
     ``_PAIR_KEYS`` (``remote_fingerprints``, ``layers`` and ``findings`` may be left out)."""
     if stdlib_logger.isEnabledFor(logging.INFO):

@@ -318,7 +318,8 @@ def _addresses(array: np.ndarray, start: int) -> np.ndarray:
     """The offset from ``start`` of every byte of a uint8 view, one per element."""
     index = np.indices(array.shape).reshape(array.ndim, -1)
     offset = array.__array_interface__["data"][0] - start
-    return offset + sum(i * s for i, s in zip(index, array.strides))
+    addresses: np.ndarray = offset + sum(i * s for i, s in zip(index, array.strides))
+    return addresses
 
 
 def test_checker_finds_what_the_page_by_page_oracle_finds_on_every_shipped_plan() -> None:

@@ -153,8 +153,8 @@ def plugin_engine(root: Path, name: str, tp: int, *, heads: int = 8, tokens: int
     ``root/ENGINE/ENGINE.tpRofN.manifest.json``, naming vLLM's NIXL connector."""
     import torch
 
-    from safeview._vllm_layout import write_manifest
     from safeview.manifest import describe, vllm_axes
+    from safeview.vllm._layout import write_manifest
 
     for rank in range(tp):
         local = 1 if mla else max(1, heads // tp)

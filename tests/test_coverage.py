@@ -1,5 +1,5 @@
-"""Nothing left behind: ``safeview.coverage`` against a byte oracle (a mask of the bytes the rows
-cover, one bool per byte of a small storage), and its policies."""
+"""Nothing left behind: ``safeview.transfer.coverage`` against a byte oracle (a mask of the bytes
+the rows cover, one bool per byte of a small storage), and its policies."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 import safeview
 from safeview import ArgumentError
-from safeview.coverage import check_coverage
 from safeview.testing import capture_events
 from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
+from safeview.transfer.coverage import check_coverage
 
 BASE = 0x10_0000
 SIZE = 4096
@@ -147,7 +147,7 @@ def test_the_nixl_workers_layers_to_transfer_follow_vllms_own_rules() -> None:
 
     import torch
 
-    from safeview._vllm_nixl import layers_to_transfer
+    from safeview.vllm._nixl import layers_to_transfer
 
     cache = torch.zeros(4)  # host memory
     groups = (SimpleNamespace(kv_cache_spec=object(), layer_names=["a", "b"]),)

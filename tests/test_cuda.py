@@ -144,7 +144,7 @@ def test_sanitizer_judges_a_data_dependent_out_by_its_real_size(device: str) -> 
 def test_process_guard_refuses_an_out_of_bounds_set_on_another_thread(device: str) -> None:
     import threading
 
-    from safeview import process
+    from safeview.guard import process
 
     victim = torch.zeros(64, dtype=torch.int8, device=device)
     storage = victim.untyped_storage()

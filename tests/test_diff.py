@@ -1,7 +1,7 @@
 """safeview.diff against a byte oracle: sender pages filled with values that encode (layer, K/V,
 token, global head, element), bytes moved as the connector moves them (a page copy; for vLLM's
 NIXL connector a re-implementation here, from vLLM 0.33's source, of the descriptors it builds
-and of its receive-side reorder, independent of safeview._nixl_rules), the receiver's pages
+and of its receive-side reorder, independent of safeview.manifest._nixl_rules), the receiver's pages
 decoded through its own layout. diff must say compatible exactly when every byte decodes right,
 and otherwise name the first wrong byte."""
 
@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import safeview
-from safeview import LayoutMismatchError, Manifest, ManifestError, layout_diff
-from safeview.layout_diff import DiffReport, Meaning
+from safeview import LayoutMismatchError, Manifest, ManifestError
 from safeview.manifest import assumed, describe, vllm_axes
+from safeview.manifest import diff as layout_diff
+from safeview.manifest.diff import DiffReport, Meaning
 
 D = 4  # head elements: small pages, every byte still checked
 

@@ -111,7 +111,7 @@ def _child(case: str) -> dict[str, Any]:
     guarded = bool(os.environ.get("SAFEVIEW_GUARD"))
     if guarded and case != "fault_shape_unknown_layers":
         # what the vLLM plugin does with the caches handed to a connector's register_kv_caches
-        from safeview import process
+        from safeview.guard import process
 
         process.know(caches)
     # LMCache's own reading of vLLM's rank-4 caches, with the hint vLLM gives for LBNHC
@@ -186,7 +186,7 @@ def _child(case: str) -> dict[str, Any]:
             torch.equal(w.to_tensor(), cache_) for w, cache_ in zip(wrappers[:-1], layers[:-1])
         )
     if guarded:
-        from safeview import process
+        from safeview.guard import process
 
         report["counts"] = process.counts()._asdict()
     return report
@@ -270,7 +270,7 @@ def _shm_child(case: str) -> dict[str, Any]:
         )  # fmt: skip
         report["copied"] = [bool(key_value[:, layer].any()) for layer in range(LAYERS)]
     if os.environ.get("SAFEVIEW_GUARD"):
-        from safeview import process
+        from safeview.guard import process
 
         report["counts"] = process.counts()._asdict()
     return report

@@ -265,7 +265,7 @@ def test_the_fingerprint_canonical_form_is_pinned() -> None:
     """docs/layouts.md#fingerprints: a change here rejects every manifest written before."""
     import hashlib
 
-    from safeview._manifest_model import _canonical, _page_meaning
+    from safeview.manifest._model import _canonical, _page_meaning
 
     plain = assumed("NB_NH_BS_2HS", layers=["l"], num_blocks=2, block_tokens=2, num_heads=1,
                     head_size=2, dtype="float16")  # fmt: skip

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 import safeview
 from safeview import AddressError
-from safeview import mooncake as guard_module
 from safeview.kv import block_views
 from safeview.testing import capture_events
 from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
+from safeview.transfer import mooncake as guard_module
 
 if os.environ.get("SAFEVIEW_REQUIRE_ENGINES") == "1":
     from mooncake.engine import TransferEngine  # an ImportError fails the run, as in CI

@@ -46,9 +46,9 @@ def _child() -> dict[str, Any]:  # pragma: no cover - runs in the child process
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from safeview import nixl as guard_module
     from safeview.kv import block_views
     from safeview.log import configure_logging, reset_logging
+    from safeview.transfer import nixl as guard_module
 
     config = nixl_agent_config(backends=["UCX"])
     agent = nixl_agent("initiator", config)
@@ -212,7 +212,7 @@ def _intent_cases(
     """The guard told which layer each row is for: the layers' strided rows in swapped order."""
     import numpy as np
 
-    from safeview import nixl as guard_module
+    from safeview.transfer import nixl as guard_module
 
     swapped = np.array(
         [[base + n * BLOCKS * PAGE, PAGE, 0, PAGE, BLOCKS] for n in (1, 0)], np.uint64
@@ -252,7 +252,7 @@ def _wrapped_agent_cases(
     import numpy as np
     from nixl._api import nixl_agent
 
-    from safeview import nixl as guard_module
+    from safeview.transfer import nixl as guard_module
 
     wrapped = nixl_agent("wrapped", config)
 
@@ -587,8 +587,8 @@ class _OtherAgent:
 
 
 def test_an_agent_with_another_api_is_left_alone_with_one_event() -> None:
-    from safeview import nixl as guard_module
     from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
+    from safeview.transfer import nixl as guard_module
 
     memory = MemoryMap((StorageSpan("kv", 0x1000, 64),), (ViewSpan("x", "kv", 0, 16, 16, 4),))
     agent = _OtherAgent()
@@ -606,14 +606,14 @@ def test_an_agent_with_another_api_is_left_alone_with_one_event() -> None:
 def test_an_agent_left_unguarded_is_said_under_default_logging() -> None:
     # a plain script, no logging configured: the warning reaches stderr
     code = (
-        "from safeview import nixl\n"
+        "from safeview.transfer import nixl\n"
         "from safeview.transfer import MemoryMap, StorageSpan, ViewSpan\n"
         "m = MemoryMap((StorageSpan('kv', 0x1000, 64),), (ViewSpan('x', 'kv', 0, 16, 16, 4),))\n"
         "agent = object()\n"
         "assert nixl.guard(agent, m) is agent\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "RuntimeWarning: safeview.nixl.guard left the agent unguarded" in done.stderr
+    assert "RuntimeWarning: safeview.transfer.nixl.guard left the agent unguarded" in done.stderr
     assert "has no method prep_xfer_dlist" in done.stderr
 
 
@@ -643,8 +643,8 @@ class _RecordingAgent:
 
 @pytest.mark.parametrize("order", ["two_gpus_first", "gpu_0_first"])
 def test_a_registration_on_two_gpus_keeps_each_region_on_its_own_device(order: str) -> None:
-    from safeview import nixl as guard_module
     from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
+    from safeview.transfer import nixl as guard_module
 
     memory = MemoryMap((StorageSpan("kv", 0x1000, 64),), (ViewSpan("x", "kv", 0, 16, 16, 4),))
     agent = guard_module.guard(_RecordingAgent(), memory, policy="strict")
@@ -663,7 +663,7 @@ def test_a_registration_on_two_gpus_keeps_each_region_on_its_own_device(order: s
 
 def test_importing_the_guard_imports_no_engine() -> None:
     code = (
-        "import sys, safeview.nixl, safeview.mooncake; "
+        "import sys, safeview.transfer.nixl, safeview.transfer.mooncake; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nixl', 'mooncake')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,5 +1,5 @@
-"""safeview._nixl_rules against vLLM 0.33's own NIXL code: the ranks a decode rank reads, the
-descriptor rows vLLM builds for one layer (``_build_fa_remote``, ``_build_fa_local``,
+"""safeview.manifest._nixl_rules against vLLM 0.33's own NIXL code: the ranks a decode rank reads,
+the descriptor rows vLLM builds for one layer (``_build_fa_remote``, ``_build_fa_local``,
 ``_build_local_splits_from_plan``, called on a stand-in worker that holds only the fields they
 read), and the receive-side reorder (``kv_postprocess_blksize_on_receive``), over a grid of
 TP sizes, KV heads, block tokens and MLA.
@@ -43,7 +43,7 @@ from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found,unused
     MLAAttentionSpec,
 )
 
-from safeview import _nixl_rules
+from safeview.manifest import _nixl_rules
 
 HEAD_BYTES = 2 * 64 * 2  # K|V of 64 fp16 elements, per token and head
 

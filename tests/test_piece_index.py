@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from safeview import sanitize
 from safeview._arith import Blocks
-from safeview._piece_index import PieceIndex
+from safeview.guard._piece_index import PieceIndex
 
 # -- against an oracle that lists the bytes ------------------------------------------------------
 

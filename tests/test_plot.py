@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.image import imread
 
 from safeview import Plan
-from safeview._plot import (
+from safeview.cli._map import (
     MAX_SIDE_PX,
     NAMED_LIMIT,
     PAST_END_FACE,

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from safeview import BoundsError, process
+from safeview import BoundsError
+from safeview.guard import process
 from safeview.testing import capture_events
 
 PYTHON = sys.executable
@@ -29,7 +30,7 @@ PYTHON = sys.executable
 DOORS_PROGRAM = """
     import json, torch
     from torch.utils._pytree import tree_map
-    from safeview import process
+    from safeview.guard import process
     from safeview.testing import capture_events
 
     class Sub(torch.Tensor):
@@ -327,7 +328,7 @@ def test_stop_removes_the_kernels_and_the_storage_method() -> None:
 def test_a_failure_of_its_own_at_the_dispatcher_lets_the_call_go_on(
     guard: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from safeview import _aten_guard, _entry_guard
+    from safeview.guard import _aten_guard, _entry_guard
 
     def broken(*args: Any) -> int:
         raise RuntimeError("the guard broke")

@@ -1,4 +1,4 @@
-"""The process guard (``SAFEVIEW_GUARD``, ``safeview run``, ``safeview.process``): real
+"""The process guard (``SAFEVIEW_GUARD``, ``safeview run``, ``safeview.guard.process``): real
 subprocesses with the variable set and unset, and the guard started in this process for the
 entry points one by one (stopped after each test)."""
 
@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from safeview import BoundsError, process
-from safeview._startup import resolve
+from safeview import BoundsError
+from safeview.guard import process
+from safeview.guard._startup import resolve
 from safeview.testing import capture_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +190,7 @@ def test_a_program_without_torch_or_safeview_imports_neither() -> None:
     assert unset.stdout.strip() == "[]"
     guarded = _python(code, SAFEVIEW_GUARD="strict")
     # the hook loads its own stdlib-only file, never the package and never torch
-    assert guarded.stdout.strip() == "['safeview._startup']"
+    assert guarded.stdout.strip() == "['safeview.guard._startup']"
     assert guarded.stderr == ""
 
 
@@ -285,7 +286,7 @@ def test_hook_read_twice_is_harmless(venvs: dict[str, Any]) -> None:
         result = _python(
             """
             import sys, torch
-            from safeview import process
+            from safeview.guard import process
             finders = [f for f in sys.meta_path if type(f).__name__ == "Finder"]
             print(len(finders), process.active())
             """,
@@ -337,7 +338,7 @@ COMPILED = """
         return (x * 2 + y).relu().sum(dim=-1)
     for size in (8, 8, 16):
         step(torch.randn(4, size), torch.randn(4, size))
-    from safeview import process
+    from safeview.guard import process
     print(len(graphs), process.active())
 """
 
@@ -497,7 +498,7 @@ def test_warn_reports_and_torch_runs_the_call_as_it_would() -> None:
 def test_a_failure_of_its_own_lets_the_call_go_on(
     guard: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from safeview import _entry_guard
+    from safeview.guard import _entry_guard
 
     def broken(storage: Any) -> None:
         raise RuntimeError("the guard broke")
@@ -559,7 +560,7 @@ if (NIXL_MISSING or MOONCAKE_MISSING) and os.environ.get("SAFEVIEW_REQUIRE_ENGIN
 ENGINE_CASES = """
     import json, os, torch
     {imports}
-    from safeview import process
+    from safeview.guard import process
     kv = torch.zeros(4 * 256, dtype=torch.uint8)
     process.know({{f"l{{i}}": kv[i * 256 : (i + 1) * 256].view(4, 64) for i in range(4)}})
     elsewhere = torch.zeros(1024, dtype=torch.uint8)
@@ -645,7 +646,8 @@ def test_a_compiled_function_that_makes_views_is_judged_at_run_time() -> None:
     result = _python(
         """
         import torch
-        from safeview import BoundsError, process
+        from safeview import BoundsError
+        from safeview.guard import process
         @torch.compile(backend="eager")
         def f(x):
             return x.as_strided((2, 4), (4, 1)).sum() + torch.as_strided(x, (3,), (1,)).sum()

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from safeview import AddressError, BoundsError, process
-from safeview._memory import block_after, mapping_at, owner_extent
+from safeview import AddressError, BoundsError
+from safeview.guard import process
+from safeview.guard._memory import block_after, mapping_at, owner_extent
 
 PAGE = mmap.PAGESIZE
 RW = mmap.PROT_READ | mmap.PROT_WRITE

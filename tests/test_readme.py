@@ -19,8 +19,8 @@ import torch
 
 import safeview
 from safeview import BlockLayout, BoundsError, Plan, Region, StridedLayout, make_view
+from safeview.guard.sanitize import Sanitizer
 from safeview.kv import block_views
-from safeview.sanitize import Sanitizer
 from safeview.testing import capture_events
 from safeview.transfer import check_descriptors
 from safeview.vllm import register_plugin
@@ -161,8 +161,8 @@ class _FailingEngine:
 def _engine_failures(registration: Any, address: int) -> None:
     """``coverage_violation`` (nothing prepared), ``registration_failed``, ``transfer_failed``
     and ``failure_ignored`` (a write of bytes whose read failed), under warn."""
-    from safeview import mooncake
-    from safeview.coverage import check_coverage
+    from safeview.transfer import mooncake
+    from safeview.transfer.coverage import check_coverage
 
     check_coverage([], registration, policy="warn")
     engine = mooncake.guard(_FailingEngine(), registration, policy="warn")
@@ -214,7 +214,7 @@ def _emitted(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def _process_guard(kv: torch.Tensor) -> None:
     import ctypes
 
-    from safeview import process
+    from safeview.guard import process
 
     process.start("warn")
     try:
@@ -385,7 +385,7 @@ def test_the_plan_shown_validates_against_the_published_schema() -> None:
 
 def test_every_safeview_variable_the_code_reads_is_documented() -> None:
     read = set()
-    for source in (ROOT / "safeview").glob("*.py"):
+    for source in (ROOT / "safeview").rglob("*.py"):
         read |= set(re.findall(r"\"(SAFEVIEW_[A-Z_]+)\"", _read(source)))
     rows = _table(_section(_read(DOCS / "policies.md"), "Environment variables"))
     documented = {cells[0].strip("`") for cells in rows}

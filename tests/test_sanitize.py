@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import safeview
 from safeview import BoundsError, Plan, sanitize
+from safeview.guard.sanitize import Sanitizer
 from safeview.kv import guard_registration
-from safeview.sanitize import Sanitizer
 from safeview.testing import capture_events
 
 PAGE, NUM_BLOCKS, LAYERS = 4_096, 8, 3

@@ -51,9 +51,9 @@ def _modules(**variables: str) -> set[str]:
 def test_the_hook_imports_nothing_python_c_pass_does_not(value: str) -> None:
     unset = _modules()
     hooked = _modules(SAFEVIEW_GUARD=value)
-    assert "safeview._startup" in hooked  # the hook ran
+    assert "safeview.guard._startup" in hooked  # the hook ran
     assert hooked & SLOW == unset & SLOW
-    assert hooked - unset == {"safeview._startup"}
+    assert hooked - unset == {"safeview.guard._startup"}
 
 
 @needs_hook
@@ -74,9 +74,9 @@ def test_importtime_lists_the_same_imports_with_the_variable_set() -> None:
 
 def test_the_hooks_file_imports_only_os_and_sys_when_it_runs() -> None:
     # the same promise without the hook installed: module-level imports outside
-    # ``if TYPE_CHECKING:``, and none inside its functions (the guard's own, ``safeview.process``
-    # and ``safeview.log``, load only when a watched module is imported)
-    tree = ast.parse((ROOT / "safeview" / "_startup.py").read_text())
+    # ``if TYPE_CHECKING:``, and none inside its functions (the guard's own,
+    # ``safeview.guard.process`` and ``safeview.log``, load only when a watched module is imported)
+    tree = ast.parse((ROOT / "safeview" / "guard" / "_startup.py").read_text())
     at_start: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Import):
@@ -97,7 +97,7 @@ def test_the_hooks_file_imports_only_os_and_sys_when_it_runs() -> None:
 
 
 def test_the_pth_line_uses_only_what_the_interpreter_has_loaded() -> None:
-    line = (ROOT / "safeview" / "_guard.pth").read_text()
+    line = (ROOT / "safeview" / "guard" / "_guard.pth").read_text()
     assert line.count("\n") == 1  # one line: site runs a .pth line that starts with import
     code = ast.literal_eval(line[line.index("exec(") + 5 : line.rindex(", {")])
     tree = ast.parse(code)

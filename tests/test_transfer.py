@@ -3,7 +3,7 @@ and the check's policy, inputs and registrations.
 
 The oracle knows every byte of every page of small layouts (packed groups, contiguous layers,
 padding, aliases, storages next to each other, addresses with bit 63 set) and judges each row
-by sets of bytes, as the rules in ``safeview/transfer.py`` say them in words.
+by sets of bytes, as the rules in ``safeview/transfer/__init__.py`` say them in words.
 """
 
 from __future__ import annotations

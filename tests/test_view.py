@@ -697,7 +697,7 @@ def test_the_four_argument_set_is_called_only_where_the_view_is_proven_to_fit() 
     from pathlib import Path
 
     sites = []
-    for path in Path(safeview.__file__).parent.glob("*.py"):
+    for path in Path(safeview.__file__).parent.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for function in ast.walk(tree):
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):

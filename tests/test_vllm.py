@@ -210,7 +210,7 @@ def test_under_the_process_guard_the_registered_caches_are_known_memory(
 ) -> None:
     import ctypes
 
-    from safeview import process
+    from safeview.guard import process
 
     built = harness.build("full_attention_lbnhc", "cpu")
     process.start("strict")

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from safeview import _vllm_layout as layout
 from safeview.kv import check_tensors
-from safeview.layout_diff import diff
 from safeview.log import manifest_of_registration
 from safeview.manifest import Manifest, Topology, describe, vllm_axes
+from safeview.manifest.diff import diff
 from safeview.testing import capture_events
+from safeview.vllm import _layout as layout
 
 HEADS, HEAD_SIZE, LAYERS = 4, 64, ("layers.0", "layers.1", "layers.2")
 #: vLLM 0.33's physical order of a layer's [B, H, N, C] cache, by layout name (block-major

@@ -299,14 +299,14 @@ class _OtherAgent:
 @pytest.fixture
 def stepped_aside() -> Any:
     """The once-per-process notes forgotten, so each test sees its own."""
-    import safeview.nixl
+    import safeview.transfer.nixl
     import safeview.vllm
 
     safeview.vllm._stepped_aside.clear()
-    safeview.nixl._reported.clear()
+    safeview.transfer.nixl._reported.clear()
     yield
     safeview.vllm._stepped_aside.clear()
-    safeview.nixl._reported.clear()
+    safeview.transfer.nixl._reported.clear()
 
 
 @pytest.mark.usefixtures("stepped_aside")

@@ -38,7 +38,6 @@ from itertools import accumulate
 from typing import Any
 
 from safeview import log
-from safeview.coverage import layers_in
 from safeview.errors import FailureIgnoredError
 from safeview.findings import Descriptor
 from safeview.policy import Policy, PolicyArg, current_policy
@@ -51,6 +50,7 @@ from safeview.transfer import (
     _Registered,
     memory_map,
 )
+from safeview.transfer.coverage import layers_in
 
 __all__ = ["GuardedEngine", "guard"]
 
@@ -92,7 +92,7 @@ def guard(
     under warn each finding is an ``address_violation`` event and the call goes ahead; ``off``
     checks nothing. The policy is looked up at each call unless given here.
     ``whole_pages=False`` lets rows be slices of one page. ``layers``: which layer each local
-    row of a batch is meant for, as for ``safeview.nixl.guard``.
+    row of a batch is meant for, as for ``safeview.transfer.nixl.guard``.
     """
     memory = memory_map(registration)
     if isinstance(engine, GuardedEngine):
@@ -113,7 +113,7 @@ def guard(
                 version=_version(),
             )
             warnings.warn(
-                f"safeview.mooncake.guard left the engine unguarded: {reason}",
+                f"safeview.transfer.mooncake.guard left the engine unguarded: {reason}",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -425,7 +425,9 @@ class GuardedEngine:
             elif code:  # transfer_check_status: 1 succeeded, negative failed, 0 still running
                 self._reported(f"mooncake.{name}", [ids], result)
         except Exception as error:  # safeview's own failure: the engine's result stands
-            log.internal_error(where=f"safeview.mooncake guard, mooncake.{name}", error=error)
+            log.internal_error(
+                where=f"safeview.transfer.mooncake guard, mooncake.{name}", error=error
+            )
         return result
 
     def _transfer(
@@ -454,7 +456,7 @@ class GuardedEngine:
                 else:
                     self._submitted(source, rows, reading, result)
             except Exception as error:  # safeview's own failure: the engine's result stands
-                log.internal_error(where=f"safeview.mooncake guard, {source}", error=error)
+                log.internal_error(where=f"safeview.transfer.mooncake guard, {source}", error=error)
         return result
 
     # -- the engine's methods, checked ----------------------------------------------------

@@ -6,8 +6,8 @@ has not loaded already (``os`` and ``sys``), so that it costs a spawned process 
 interpreter whose environment sets ``SAFEVIEW_GUARD``, without importing the ``safeview`` package
 (whose import costs a tenth of a second) and without importing torch. It reads the variable once
 and, for ``strict`` or ``warn``, puts a finder on ``sys.meta_path`` that hears when torch, NIXL
-or Mooncake finishes importing: only then is ``safeview.process`` imported and the guard put on
-that library, before the program's next line. A value that is not a policy gets one line on
+or Mooncake finishes importing: only then is ``safeview.guard.process`` imported and the guard put
+on that library, before the program's next line. A value that is not a policy gets one line on
 standard error and the process runs unguarded. Running this twice changes nothing.
 
 When ``SAFEVIEW_GUARD`` is unset or empty, the ``.pth`` line reads one environment variable and
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 ENV_GUARD = "SAFEVIEW_GUARD"
 POLICIES = ("strict", "warn", "off")
 # The modules whose import turns the guard on for them: torch's entry points, and the transfer
-# engines' classes that safeview.nixl and safeview.mooncake guard (``nixl._api`` is an alias the
-# ``nixl`` package makes of its CUDA build's module).
+# engines' classes that safeview.transfer.nixl and safeview.transfer.mooncake guard (``nixl._api``
+# is an alias the ``nixl`` package makes of its CUDA build's module).
 WATCHED = ("torch", "nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api", "mooncake.engine")
 
 
@@ -138,7 +138,7 @@ _policy: list[str] = []
 def _imported(name: str, module: "ModuleType") -> None:
     """A watched module finished importing: the guard goes on for it. Never raises."""
     try:
-        from safeview import process
+        from safeview.guard import process
 
         process._on_import(name, module, _policy[0] if _policy else "strict")
     except Exception as error:  # safeview's own failure must not stop the host's import
@@ -172,8 +172,8 @@ def main() -> None:
         install(policy)
 
 
-# The .pth loads this file as ``safeview._startup`` (registered in ``sys.modules`` first, so that
-# a second run of the .pth finds it and stops) with ``_from_hook`` set; imported in any other way,
-# it only defines its functions.
+# The .pth loads this file as ``safeview.guard._startup`` (registered in ``sys.modules`` first, so
+# that a second run of the .pth finds it and stops) with ``_from_hook`` set; imported in any other
+# way, it only defines its functions.
 if globals().get("_from_hook"):
     main()

@@ -28,8 +28,8 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from safeview import __version__
-from safeview._cli_diff import add_diff_command, count
 from safeview.check import Report
+from safeview.cli._diff import add_diff_command, count
 from safeview.errors import ConfigError, SafeViewError
 from safeview.findings import KINDS, Finding
 from safeview.log import ENV_LOG_LEVEL, LEVELS, configure_from_env
@@ -366,7 +366,7 @@ def _draw(outcome: _Outcome, target: Path) -> str | None:
     if outcome.plan is None or outcome.report is None:
         return None if outcome.error is not None else "the plan was not checked"
     try:
-        from safeview._plot import draw_map
+        from safeview.cli._map import draw_map
 
         draw_map(outcome.plan, outcome.report, target)
     except OSError as error:
@@ -515,7 +515,7 @@ def _parser() -> _Parser:
     checking.set_defaults(run=check)
     schema_parser = commands.add_parser("schema", help="print the JSON Schema of a plan file")
     schema_parser.set_defaults(run=schema)
-    add_diff_command(commands)  # safeview diff SENDER RECEIVER (safeview/_cli_diff.py)
+    add_diff_command(commands)  # safeview diff SENDER RECEIVER (safeview/cli/_diff.py)
     guarded = commands.add_parser(
         "run",
         help="run a command with the process guard on (SAFEVIEW_GUARD)",
@@ -535,7 +535,7 @@ def _parser() -> _Parser:
 
 def run_guarded(args: argparse.Namespace) -> int:
     """``safeview run``: the command's exit status, or 2 when there is no command to run."""
-    from safeview.process import run_command
+    from safeview.guard.process import run_command
 
     argv = list(args.argv)
     if argv[:1] == ["--"]:

@@ -80,7 +80,7 @@ def _json_files(folder: Path) -> list[Path]:
 
 def run_diff(args: argparse.Namespace) -> int:
     """``safeview diff``: load both sides, compare, print; the exit status."""
-    from safeview.layout_diff import DIFF_SCHEMA, diff
+    from safeview.manifest.diff import DIFF_SCHEMA, diff
 
     out = args.out
     try:
@@ -140,7 +140,7 @@ def count(value: str) -> int:
 
 def add_diff_command(commands: Any) -> None:
     """Add ``diff`` to the command's subparsers."""
-    from safeview.layout_diff import RULES
+    from safeview.manifest.diff import RULES
 
     parser = commands.add_parser(
         "diff",

@@ -124,7 +124,7 @@ def _unavailable(reason: str, *, warn: bool = False) -> None:
         )
         if warn:
             warnings.warn(
-                f"safeview.nixl.guard left the agent unguarded: {reason}",
+                f"safeview.transfer.nixl.guard left the agent unguarded: {reason}",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -251,13 +251,13 @@ def check_coverage(
     ``safeview.CoverageError``, under warn emits a ``coverage_violation`` event per layer; off
     checks nothing. ``ArgumentError`` for an agent that ``guard`` did not guard.
     """
-    from safeview.coverage import enforce, uncovered
     from safeview.errors import ArgumentError
+    from safeview.transfer.coverage import enforce, uncovered
 
     state = getattr(agent, "__dict__", {}).get(_STATE)
     if not isinstance(state, _Guard):
         raise ArgumentError(
-            f"agent must be a NIXL agent guarded by safeview.nixl.guard; got "
+            f"agent must be a NIXL agent guarded by safeview.transfer.nixl.guard; got "
             f"{type(agent).__name__} without a guard"
         )
     active = current_policy(policy if policy is not None else state.policy)
@@ -514,7 +514,7 @@ def _status_failed(state: _Guard, name: str, handle: Any, status: object) -> Non
 
 def _transfer_failed(state: _Guard, source: str, status: object, moved: Any) -> None:
     """One ``transfer_failed`` event, naming the layers of what the transfer moves."""
-    from safeview.coverage import layers_of
+    from safeview.transfer.coverage import layers_of
 
     layers: list[str] = []
     regions: list[tuple[int, int]] = []
@@ -599,7 +599,7 @@ def _register_memory(agent: Any, state: _Guard, original: Callable[..., Any]) ->
 
 def _registration_failed(state: _Guard, error: BaseException, regions: list[Descriptor]) -> None:
     """One ``registration_failed`` event, naming the layers of the regions."""
-    from safeview.coverage import layers_in
+    from safeview.transfer.coverage import layers_in
 
     active = current_policy(state.policy)
     if active is Policy.OFF:

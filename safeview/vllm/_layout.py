@@ -51,7 +51,6 @@ from typing import Any
 
 from safeview import log
 from safeview.errors import LayoutMismatchError, ManifestError
-from safeview.layout_diff import DiffReport, diff
 from safeview.manifest import (
     Derived,
     Layer,
@@ -62,6 +61,7 @@ from safeview.manifest import (
     layer_heads,
     vllm_axes,
 )
+from safeview.manifest.diff import DiffReport, diff
 from safeview.policy import Policy
 
 __all__ = ["ENV_MANIFEST_DIR", "Registered", "at_registration", "manifest_dir"]

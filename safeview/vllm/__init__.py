@@ -9,7 +9,7 @@ every process before any KV connector exists; it wraps ``KVConnectorFactory.crea
 that each connector's ``register_kv_caches`` first runs ``check_registration`` (or, with no
 ``KVCacheConfig`` known, the group-aware tensor check), then the connector's own method under
 ``sanitize()``. Each worker's layout manifest is derived there too, and a NIXL decode worker
-judges every prefill engine it meets, in the handshake (``safeview._vllm_layout``).
+judges every prefill engine it meets, in the handshake (``safeview.vllm._layout``).
 ``SAFEVIEW_VLLM=0`` turns it off. vLLM is imported only when one of these runs.
 """
 
@@ -21,12 +21,14 @@ import os
 from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from safeview import _torch, _vllm_layout, log, process
+from safeview import _torch, log
 from safeview.check import check_views
 from safeview.errors import ArgumentError, BoundsError, CoverageError, OverlapError
+from safeview.guard import process
+from safeview.guard.sanitize import sanitize
 from safeview.kv import Registration, _Planned, _register, _report, check_tensors
 from safeview.policy import Policy, PolicyArg, current_policy
-from safeview.sanitize import sanitize
+from safeview.vllm import _layout as _vllm_layout
 
 if TYPE_CHECKING:
     import torch
@@ -253,8 +255,8 @@ def _check_before_registration(connector: Any, kv_caches: Any, config: Any, acti
             planned.storages.records(), planned.records, checks=active is not Policy.OFF
         )
         _report(report, planned.storages, active, layers=len(page_bytes), source="vllm")
-        if not report.findings:  # every layer whole in the views (safeview._vllm_offload)
-            from safeview._vllm_offload import check_offloading_coverage
+        if not report.findings:  # every layer whole in the views (safeview.vllm._offload)
+            from safeview.vllm._offload import check_offloading_coverage
 
             check_offloading_coverage(
                 planned, lambda: _nixl_allocation(kv_caches, config), config, active
@@ -381,10 +383,10 @@ def register_plugin() -> None:
 # descriptor lists once, in ``register_kv_caches``: ``prep_xfer_dlist("NIXL_INIT_AGENT", rows)``
 # with rows ``(address, length, device, stride, count)`` per region (one per layer; one per storage
 # for packed MLA); per request it moves blocks by index. While its ``register_kv_caches`` runs, the
-# agent is replaced by ``safeview.nixl.guard(agent, allocation)``, so every one of those rows is
-# checked once, before NIXL sees it, against the caches as vLLM allocated them. Lists prepared
-# later (at a handshake: slices of pages for a peer of another tensor-parallel size, pieces of
-# pages for a peer with smaller blocks) are checked with sub-page slices allowed.
+# agent is replaced by ``safeview.transfer.nixl.guard(agent, allocation)``, so every one of those
+# rows is checked once, before NIXL sees it, against the caches as vLLM allocated them. Lists
+# prepared later (at a handshake: slices of pages for a peer of another tensor-parallel size, pieces
+# of pages for a peer with smaller blocks) are checked with sub-page slices allowed.
 
 _NIXL_WORKER_ATTRIBUTE = "nixl_wrapper"  # where vLLM 0.33's NIXL worker keeps its agent
 
@@ -466,7 +468,7 @@ class _NixlAgentsGuarded:
             workers = _nixl_workers(self.connector)
             if not workers:
                 return
-            from safeview._vllm_nixl import guard_worker
+            from safeview.vllm._nixl import guard_worker
 
             allocation = _nixl_allocation(self.kv_caches, self.kv_cache_config)
             for worker in workers:
@@ -493,7 +495,7 @@ class _NixlAgentsGuarded:
         # From now on the worker prepares lists only at handshakes, whose rows may be slices of
         # pages (a peer of another tensor-parallel size): those are allowed from here.
         try:
-            from safeview._vllm_nixl import guard_worker
+            from safeview.vllm._nixl import guard_worker
 
             for worker, agent, allocation in self.guarded:
                 checked = guard_worker(worker, agent, allocation, self.policy, False)
@@ -506,7 +508,7 @@ class _NixlAgentsGuarded:
         """Every layer the worker is to transfer lies in the lists it prepared (under strict a
         ``CoverageError`` stops the start-up, before any transfer)."""
         try:
-            from safeview._vllm_nixl import check_worker_coverage
+            from safeview.vllm._nixl import check_worker_coverage
 
             for worker, agent, allocation in self.guarded:
                 check_worker_coverage(
@@ -529,7 +531,7 @@ def _guard_nixl_agents(
 ) -> _NixlAgentsGuarded:
     """Around a connector's own ``register_kv_caches``: for each NIXL worker of ``connector``
     (vLLM 0.33's ``NixlConnector``, pull or push, alone or in a ``MultiConnector``), its agent is
-    replaced by ``safeview.nixl.guard(agent, allocation, policy=policy)``, so every local
+    replaced by ``safeview.transfer.nixl.guard(agent, allocation, policy=policy)``, so every local
     descriptor list the worker prepares is checked against the caches vLLM allocated: whole
     pages only while it registers, slices of pages allowed afterwards. Never raises for
     safeview's own sake: a failure, or a worker or NIXL it does not know, leaves the agent as it

@@ -1,10 +1,10 @@
 """``sanitize()``: check every view that code we do not own makes, before it is made.
 
 Inside ``with safeview.sanitize() as seen:`` a dispatch mode (``ViewGuard`` of
-``safeview._torch_dispatch``, the same idea as torch's CUDA stream sanitizer) sees every aten op.
-What an op does to memory is read from its schema (``_torch_dispatch`` says how): an op that places
-a tensor on a storage (``set_``, ``set``, ``as_strided``, ``as_strided_``) is judged before it
-runs; an op that would grow a storage other tensors use (``resize_``, ``resize_as_``, an ``out=``
+``safeview.guard._torch_dispatch``, the same idea as torch's CUDA stream sanitizer) sees every aten
+op. What an op does to memory is read from its schema (``_torch_dispatch`` says how): an op that
+places a tensor on a storage (``set_``, ``set``, ``as_strided``, ``as_strided_``) is judged before
+it runs; an op that would grow a storage other tensors use (``resize_``, ``resize_as_``, an ``out=``
 tensor of the wrong size, whatever the op) is judged before it runs, on meta copies of its
 arguments; a view op (``view``, ``_reshape_alias``, ``slice``, ...) is judged on the view it
 returns, before the caller gets it. ``strict`` raises ``BoundsError`` (the storage is never
@@ -36,17 +36,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from safeview import _arith, log
-from safeview._piece_index import PieceIndex
 from safeview.check import Report, StorageRecord, ViewRecord, bounds, check_views, pieces
 from safeview.errors import ArgumentError, BoundsError, OverlapError, UnprovenWriteError
 from safeview.findings import Finding
+from safeview.guard._piece_index import PieceIndex
 from safeview.plan import Plan
 from safeview.policy import Policy, PolicyArg, current_policy
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from safeview._torch_dispatch import Op, ViewGuard
+    from safeview.guard._torch_dispatch import Op, ViewGuard
 
 __all__ = ["Sanitizer", "SeenView", "sanitize"]
 
@@ -147,7 +147,9 @@ def _on_error(error: BaseException) -> None:
 def _install() -> _ThreadGuard:
     state = _this_thread()
     if state.guard is None:
-        from safeview import _torch_dispatch  # torch is needed only once a sanitizer is entered
+        from safeview.guard import (
+            _torch_dispatch,  # torch is needed only once a sanitizer is entered
+        )
 
         guard = _torch_dispatch.ViewGuard(_active, _on_view, _on_error, _on_alias, _tracks)
         guard.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
@@ -162,7 +164,7 @@ def _uninstall(state: _ThreadGuard) -> None:
         # still in use, or closed from another thread than the one it guards: a mode can be
         # popped only in its own thread, so it stays there, idle, for that thread's next use
         return
-    from safeview import _torch_dispatch
+    from safeview.guard import _torch_dispatch
 
     # Only the top of the mode stack can be popped: if other code pushed a mode of its own
     # above ours and has not popped it yet, ours stays, idle (it judges nothing outside a

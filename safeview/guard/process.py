@@ -5,11 +5,11 @@ Turn it on for a program you did not write with one environment variable::
 
     SAFEVIEW_GUARD=strict python serve.py      # or: safeview run -- python serve.py
 
-or from Python, for a program that starts it itself: ``safeview.process.start("warn")``. The
+or from Python, for a program that starts it itself: ``safeview.guard.process.start("warn")``. The
 start-up hook installed with safeview (``safeview-guard.pth``) reads ``SAFEVIEW_GUARD`` at
 interpreter start; when torch (or NIXL, or Mooncake) is imported, the guard goes on for it
-(``safeview._entry_guard`` names the entry points). Each call to a watched entry point is judged
-by the one checker (``safeview.check.bounds``) before torch runs it:
+(``safeview.guard._entry_guard`` names the entry points). Each call to a watched entry point is
+judged by the one checker (``safeview.check.bounds``) before torch runs it:
 
 - under ``strict`` a view past the end of its storage, or a growth of a storage other tensors
   use, raises ``BoundsError`` and nothing is made, moved or resized;
@@ -20,12 +20,12 @@ capsule) is judged against the memory the guard knows, with its real bounds: sto
 it has seen made into views, the layers handed to ``know`` (the vLLM plugin hands it every
 connector's ``register_kv_caches``; ``safeview.kv.block_views`` and ``check_tensors`` theirs),
 the memory a Python buffer or numpy array owns once a tensor aliases it, and mappings of files
-and shared memory (``safeview._memory``). An address whose span runs past the end of its memory,
-or out of its layer into another known layer's bytes, or that starts exactly at the end of an
-allocation where no other allocation begins, is refused under strict; an address it knows
+and shared memory (``safeview.guard._memory``). An address whose span runs past the end of its
+memory, or out of its layer into another known layer's bytes, or that starts exactly at the end of
+an allocation where no other allocation begins, is refused under strict; an address it knows
 nothing about is let through and counted. The local rows
 handed to NIXL's agents and Mooncake's engines are judged the same way
-(``safeview._engine_hooks``), by ``safeview.transfer``'s descriptor check. The events
+(``safeview.guard._engine_hooks``), by ``safeview.transfer``'s descriptor check. The events
 ``process_guard_started`` (once) and ``process_guard_stopped`` (at exit, with the counts) say
 what it did. A failure inside safeview never stops the host: an
 ``internal_error`` event, and the call goes on unjudged.
@@ -41,11 +41,12 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from safeview import _memory as _memory_of
-from safeview import _startup, log
+from safeview import log
 from safeview.check import bounds
 from safeview.errors import ArgumentError, BoundsError
 from safeview.findings import Finding
+from safeview.guard import _memory as _memory_of
+from safeview.guard import _startup
 from safeview.policy import Policy, PolicyArg, coerce_policy
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class _Memory:
 
     def _refresh(self) -> tuple[list[int], list[_Storage]]:
         """Re-read every storage held by an object (a resize moves it) and sort them."""
-        from safeview import _entry_guard
+        from safeview.guard import _entry_guard
 
         with _lock:
             for key, storage in list(self.storages.items()):
@@ -198,7 +199,7 @@ class _Memory:
     def at(self, address: int) -> _Storage | None:
         """The known storage whose bytes hold ``address``; else the one that ends exactly there
         (the first byte past a storage: the usual off-by-one) unless that byte belongs to
-        another allocation (``safeview._memory.other_allocation``); else the mapping of a file
+        another allocation (``safeview.guard._memory.other_allocation``); else the mapping of a file
         or of shared memory that holds it (``mapped``); else ``None``."""
         storage = self._at(address)
         if storage is not None and storage.address <= address < storage.address + storage.nbytes:
@@ -268,7 +269,7 @@ def know(layers: Mapping[str, Any]) -> None:
         raise ArgumentError(
             f"layers must map each layer's name to its cache tensor; got {type(layers).__name__}"
         )
-    from safeview import _entry_guard
+    from safeview.guard import _entry_guard
 
     spans: dict[Any, list[tuple[tuple[int, int, str], tuple[str, int, int, int, int]]]] = {}
     for name, value in layers.items():
@@ -564,16 +565,16 @@ def _on_import(name: str, module: ModuleType, policy: str) -> None:
     if _state["policy"] is None:
         _begin(coerce_policy(policy, source=ENV_GUARD), source=ENV_GUARD)
     if name == "torch":
-        from safeview import _aten_guard, _entry_guard
+        from safeview.guard import _aten_guard, _entry_guard
 
         _entry_guard.install(sys.modules[__name__])
         _aten_guard.install()  # set_ and resize_ at the dispatcher, and the storage's resize_
     elif name.endswith("._api") and name.startswith("nixl"):
-        from safeview import _engine_hooks
+        from safeview.guard import _engine_hooks
 
         _engine_hooks.patch_nixl(module, _judge_rows)
     elif name == "mooncake.engine":
-        from safeview import _engine_hooks
+        from safeview.guard import _engine_hooks
 
         _engine_hooks.patch_mooncake(module, _judge_rows)
 
@@ -588,7 +589,7 @@ def _begin(active: Policy, *, source: str) -> None:
         if not _state.get("atexit"):
             _state["atexit"] = True
             atexit.register(_closing)
-    from safeview._entry_guard import WATCHED
+    from safeview.guard._entry_guard import WATCHED
 
     log.process_guard(
         "process_guard_started",
@@ -606,7 +607,7 @@ def start(policy: PolicyArg = "strict") -> None:
     if active is Policy.OFF:
         stop()
         return
-    _begin(active, source="safeview.process.start")
+    _begin(active, source="safeview.guard.process.start")
     # torch now (it is needed; _torch says what to install when it is missing), the engines now
     # or when they are imported
     from safeview import _torch  # noqa: F401
@@ -618,8 +619,8 @@ def stop() -> None:
     """Turn the guard off: torch's own entry points are back, and ``process_guard_stopped`` says
     what it did."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _startup.Finder)]
-    if "safeview._entry_guard" in sys.modules:
-        from safeview import _aten_guard, _entry_guard
+    if "safeview.guard._entry_guard" in sys.modules:
+        from safeview.guard import _aten_guard, _entry_guard
 
         _aten_guard.uninstall()
         _entry_guard.uninstall()

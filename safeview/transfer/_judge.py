@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from safeview._pages import _FAMILY, _RUN, ADDRESS_LIMIT, StorageSpan, _Hit, _Index
-from safeview._rows import _Rows
 from safeview.errors import ArgumentError
 from safeview.findings import Descriptor, Finding
+from safeview.transfer._pages import _FAMILY, _RUN, ADDRESS_LIMIT, StorageSpan, _Hit, _Index
+from safeview.transfer._rows import _Rows
 
 if TYPE_CHECKING:
     import numpy as np

@@ -28,7 +28,7 @@ def check_offloading_coverage(
     ``allocated()`` (a ``MemoryMap`` of the caches as allocated): under strict ``CoverageError``
     for a layer whose allocated blocks the views leave partly out, under warn one
     ``coverage_violation`` each. safeview's own failure here is an ``internal_error`` event."""
-    from safeview.coverage import enforce, uncovered
+    from safeview.transfer.coverage import enforce, uncovered
 
     if policy is Policy.OFF:
         return

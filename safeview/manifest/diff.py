@@ -10,8 +10,8 @@ with what the receiver reads it as; it names the first byte that differs::
 
 Rules (how bytes move): ``page_copy`` (block ``b``'s page, chunk by chunk, into block ``b``),
 ``vllm_nixl`` (vLLM 0.33's NIXL connector, heterogeneous TP and block tokens included: see
-``safeview._nixl_rules``), ``in_place`` (the receiver reads the sender's memory where it lies: a
-connector's assumed format against the engine's cache). A page is compared once per distinct
+``safeview.manifest._nixl_rules``), ``in_place`` (the receiver reads the sender's memory where it
+lies: a connector's assumed format against the engine's cache). A page is compared once per distinct
 pair of layouts, vectorised over its bytes with numpy; no torch.
 """
 
@@ -21,11 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from safeview import _nixl_rules
-from safeview._meaning import Meaning
 from safeview.errors import ArgumentError, LayoutMismatchError, ManifestError
 from safeview.findings import Finding
-from safeview.manifest import CONNECTOR_RULES, Layer, Manifest
+from safeview.manifest import CONNECTOR_RULES, Layer, Manifest, _nixl_rules
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,6 +32,55 @@ if TYPE_CHECKING:
     Array = npt.NDArray[np.int64]
 
 __all__ = ["DIFF_SCHEMA", "RULES", "DiffReport", "Meaning", "Mismatch", "diff"]
+
+
+@dataclass(frozen=True)
+class Meaning:
+    """What one byte means to one side: K or V (``kv`` 0 or 1, None for a latent or state
+    byte), token in the receiver's block, global head (None for a latent), element, byte of
+    the element; ``status`` ``padding`` for a byte no axis reaches, ``outside`` for one past
+    the page (another block's, another layer's); ``block`` under ``in_place``."""
+
+    status: Literal["data", "padding", "outside", "unfilled"]
+    kv: int | None = None
+    token: int | None = None
+    head: int | None = None
+    element: int | None = None
+    byte: int = 0
+    block: int | None = None
+    dtype: str | None = None
+
+    def words(self) -> str:
+        if self.status == "padding":
+            return "padding"
+        if self.status == "outside":
+            return "a byte outside its page"
+        if self.status == "unfilled":
+            return "nothing (the transfer never fills it)"
+        parts = [] if self.block is None else [f"block {self.block}"]
+        if self.kv is not None:
+            parts.append("KV"[self.kv])
+        parts.append(f"token {self.token}")
+        if self.head is not None:
+            parts.append(f"head {self.head}")
+        parts.append(f"element {self.element}")
+        if self.byte:
+            parts.append(f"byte {self.byte}")
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "block": self.block,
+            "kv": None if self.kv is None else "KV"[self.kv],
+            "token": self.token,
+            "head": self.head,
+            "element": self.element,
+            "byte": self.byte,
+            "dtype": self.dtype,
+            "words": self.words(),
+        }
+
 
 DIFF_SCHEMA = "urn:safeview:diff:1"
 Rule = Literal["page_copy", "vllm_nixl", "in_place"]

@@ -11,7 +11,7 @@ heads it holds. Two manifests are compared by ``safeview.diff``::
 ``describe`` reads tensors (torch is imported only there, through ``safeview._torch``); the model,
 ``assumed`` (a manifest from a connector's assumed format, such as LMCache's
 ``NL_X_TWO_NB_BS_NH_HS``) and the JSON round trip need no torch. The model, its checks and its
-fingerprints live in ``safeview._manifest_model``; every name of it is re-exported here.
+fingerprints live in ``safeview.manifest._model``; every name of it is re-exported here.
 
 Axis names, one per tensor dimension in shape order: ``block``; ``kv`` (0 is K, 1 is V);
 ``token`` (within a block); ``head`` (local index, mapped to a global KV head by the topology);
@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
-from safeview._manifest_model import (
+from safeview.errors import ManifestError
+from safeview.manifest._model import (
     CONNECTOR_RULES,
     MANIFEST_SCHEMA,
     MAX_BYTES,
@@ -46,7 +47,6 @@ from safeview._manifest_model import (
     _short,
     _validated,
 )
-from safeview.errors import ManifestError
 from safeview.spec import DTYPE_ITEMSIZE
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 ``install(policy)`` guards, for every thread at once, what makes a view over existing memory or
 changes a storage's size; each door works out the bytes the call needs, asks the one checker
-(``safeview.check.bounds``, through ``safeview.process``) and only then calls torch's own:
+(``safeview.check.bounds``, through ``safeview.guard.process``) and only then calls torch's own:
 
 - ``aten::set_`` (four arguments) and ``aten::resize_`` at torch's dispatcher (a kernel of ours
   at the BackendSelect key): every way into them meets there, ``torch.ops``, ``torch._C``,
@@ -19,7 +19,7 @@ and these Python entry points, patched in place:
   ``torch.as_tensor``, ``torch.asarray``, ``torch.tensor`` (a copy) of a numpy array or a
   buffer: its bytes judged against the memory its owner holds, or as a raw address (``ctypes``
   memory at an address, however wrapped) against the memory the guard knows
-  (``safeview.process``); a tensor over owned memory makes that memory known;
+  (``safeview.guard.process``); a tensor over owned memory makes that memory known;
 - ``torch.from_dlpack`` (and ``torch.utils.dlpack.from_dlpack``): a numpy array as above; the
   tensor any other capsule gives aliases memory torch did not allocate, judged like a raw
   address before the caller gets it.
@@ -35,6 +35,7 @@ before the guard went on (``from torch import as_strided`` at import time) keeps
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import sys
 import threading
@@ -45,8 +46,9 @@ from typing import Any
 import torch
 import torch.utils.dlpack
 
-from safeview import _memory, _torch
+from safeview import _torch
 from safeview.errors import BoundsError
+from safeview.guard import _memory
 
 __all__ = ["WATCHED", "describe_tensor", "install", "installed", "live", "uninstall"]
 
@@ -97,13 +99,13 @@ _s_from_buffer = torch._C.StorageBase.__dict__["from_buffer"]
 
 
 _module: list[Any] = []
-# safeview.process's counters (judged first), bound at install: the hot path adds to a slot
+# safeview.guard.process's counters (judged first), bound at install: the hot path adds to a slot
 _COUNTS: list[int] = [0]
 
 
 def _process() -> Any:
-    """The judge ``install`` was handed (``safeview.process``, which imports this module: it is
-    handed over, never imported back up)."""
+    """The judge ``install`` was handed (``safeview.guard.process``, which imports this module: it
+    is handed over, never imported back up)."""
     return _module[0]
 
 
@@ -164,6 +166,11 @@ def _seen(storage: torch.UntypedStorage) -> None:
     ref = weakref.ref(storage)
     weakref.finalize(storage, _forget, key)
     process._memory.add(key, address, storage.nbytes(), str(storage.device), ref, source="view")
+
+
+def _forgotten_storage(key: int, _: object) -> None:
+    """A weak reference's callback: the storage ``key`` is gone."""
+    _forget(key)
 
 
 def _forget(key: int) -> None:
@@ -326,8 +333,8 @@ def tensor_as_strided_(
 # ``ctypes`` memory at an address, a pointer's ``contents``, a ``memoryview`` of either, a numpy
 # array over it: all arrive here as a buffer or an array. Each is judged by where its bytes are
 # (the buffer protocol, the array interface), against the memory the object's owner holds when
-# something owns it (``safeview._memory.owner_extent``), else as a raw pointer against the known
-# memory. A storage that aliases owned memory becomes known memory with the owner's bounds.
+# something owns it (``safeview.guard._memory.owner_extent``), else as a raw pointer against the
+# known memory. A storage that aliases owned memory becomes known memory with the owner's bounds.
 
 
 def _owner_of(obj: Any) -> tuple[int, int, str] | None:
@@ -422,7 +429,7 @@ def _know_result(op: str, result: Any, owner: tuple[int, int, str] | None) -> No
         _known_keys[key] = True
         # the reference's callback forgets it (the known memory holds the reference: cheaper
         # than a finalizer, on a path a data loader takes per sample)
-        ref = weakref.ref(storage, lambda _, key=key: _forget(key))
+        ref = weakref.ref(storage, functools.partial(_forgotten_storage, key))
         _process()._memory.add(
             key, start, nbytes, str(storage.device), ref, source="buffer", fixed=True
         )
@@ -553,7 +560,7 @@ def installed() -> bool:
 
 def install(judge: Any) -> None:
     """Patch the entry points (once; again is a no-op), each call judged by ``judge``
-    (``safeview.process``: its ``_judge_view``, ``_judge_raw``, ``_memory``, ``_counts``)."""
+    (``safeview.guard.process``: its ``_judge_view``, ``_judge_raw``, ``_memory``, ``_counts``)."""
     global _COUNTS
     with _lock:
         _module[:] = [judge]

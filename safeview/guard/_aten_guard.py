@@ -4,8 +4,8 @@ and ``torch._C.StorageBase.resize_``, the storage's own method.
 
 ``install()`` registers a kernel of ours for each op at the BackendSelect key and replaces the
 storage method; ``uninstall()`` removes the kernels (the ``torch.library.Library`` holding them is
-destroyed) and puts the method back. ``safeview.process`` calls both, beside
-``safeview._entry_guard`` (the Python entry points: views and raw addresses), whose judging
+destroyed) and puts the method back. ``safeview.guard.process`` calls both, beside
+``safeview.guard._entry_guard`` (the Python entry points: views and raw addresses), whose judging
 helpers these doors share. What stays unseen is listed in docs/process.md.
 """
 
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from safeview import _entry_guard as entry
 from safeview import _torch
 from safeview.errors import BoundsError
+from safeview.guard import _entry_guard as entry
 
 __all__ = ["install", "installed", "uninstall"]
 

@@ -9,14 +9,14 @@ descriptor is a view in another form: a strided row is the block view ``(byte_of
 page_bytes, block_stride_bytes, num_blocks)``. This module says of every descriptor whether it
 hits whole pages of one layer's view, and nothing else.
 
-The pipeline, one module each: ``memory_map(registration)`` (``safeview._pages``) turns what
-``safeview.kv.block_views`` or ``safeview.vllm.check_registration`` returned into plain integers
-(each storage's address and size, each view's pages), which its index reads as the checker's own
-records (``safeview.check``); the rows become columns of 64-bit numbers (``safeview._rows``);
-``check_descriptors`` judges them with numpy and explains one by one only the rows it cannot
-prove right (``safeview._judge``); the findings go through the policy, here. What the guards
-share also lives here: the regions registered through them, and the intent (which layer a row
-is for).
+The pipeline, one module each: ``memory_map(registration)`` (``safeview.transfer._pages``) turns
+what ``safeview.kv.block_views`` or ``safeview.vllm.check_registration`` returned into plain
+integers (each storage's address and size, each view's pages), which its index reads as the
+checker's own records (``safeview.check``); the rows become columns of 64-bit numbers
+(``safeview.transfer._rows``); ``check_descriptors`` judges them with numpy and explains one by one
+only the rows it cannot prove right (``safeview.transfer._judge``); the findings go through the
+policy, here. What the guards share also lives here: the regions registered through them, and the
+intent (which layer a row is for).
 
 What a row may be (every other row is a finding):
 
@@ -39,18 +39,18 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from safeview import log
-from safeview._judge import _columns as _columns
-from safeview._judge import _judge as _judge
-from safeview._judge import _proven as _proven
-from safeview._pages import ADDRESS_LIMIT as ADDRESS_LIMIT
-from safeview._pages import MemoryMap, StorageSpan, ViewSpan, memory_map
-from safeview._pages import _numpy as _numpy
-from safeview._rows import _MAX_ELEMENTS as _MAX_ELEMENTS
-from safeview._rows import _overlapping_writes as _overlapping_writes
-from safeview._rows import _rows as _rows
 from safeview.errors import AddressError, ArgumentError
 from safeview.findings import Descriptor, Finding
 from safeview.policy import Policy, PolicyArg, current_policy
+from safeview.transfer._judge import _columns as _columns
+from safeview.transfer._judge import _judge as _judge
+from safeview.transfer._judge import _proven as _proven
+from safeview.transfer._pages import ADDRESS_LIMIT as ADDRESS_LIMIT
+from safeview.transfer._pages import MemoryMap, StorageSpan, ViewSpan, memory_map
+from safeview.transfer._pages import _numpy as _numpy
+from safeview.transfer._rows import _MAX_ELEMENTS as _MAX_ELEMENTS
+from safeview.transfer._rows import _overlapping_writes as _overlapping_writes
+from safeview.transfer._rows import _rows as _rows
 
 __all__ = ["MemoryMap", "StorageSpan", "ViewSpan", "check_descriptors", "memory_map"]
 

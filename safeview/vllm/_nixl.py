@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from safeview.nixl import _install
 from safeview.policy import Policy
+from safeview.transfer.nixl import _install
 
 __all__ = ["check_worker_coverage", "guard_worker", "layers_to_transfer", "region_intent"]
 
@@ -47,8 +47,8 @@ def region_intent(worker: Any) -> Callable[[int], Sequence[str | None] | None]:
 def guard_worker(
     worker: Any, agent: Any, allocation: Any, policy: Policy, whole_pages: bool
 ) -> Any:
-    """``safeview.nixl.guard`` of ``worker``'s ``agent`` against ``allocation``, told the layer
-    of each region; a step-aside is an event only (the plugin's own warning says it)."""
+    """``safeview.transfer.nixl.guard`` of ``worker``'s ``agent`` against ``allocation``, told the
+    layer of each region; a step-aside is an event only (the plugin's own warning says it)."""
     return _install(agent, allocation, policy, whole_pages, region_intent(worker), warn=False)
 
 
@@ -98,10 +98,10 @@ def check_worker_coverage(
     policy: Policy,
 ) -> None:
     """After the worker registered: every layer it is to transfer lies in the local lists it
-    prepared (``safeview.coverage``); under strict ``CoverageError`` stops the start-up before
-    any transfer, under warn one ``coverage_violation`` per layer left out."""
-    from safeview.coverage import enforce, uncovered
-    from safeview.nixl import _STATE
+    prepared (``safeview.transfer.coverage``); under strict ``CoverageError`` stops the start-up
+    before any transfer, under warn one ``coverage_violation`` per layer left out."""
+    from safeview.transfer.coverage import enforce, uncovered
+    from safeview.transfer.nixl import _STATE
 
     state = getattr(agent, "__dict__", {}).get(_STATE)
     if state is None or kv_cache_config is None or policy is Policy.OFF:

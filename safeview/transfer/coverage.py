@@ -20,11 +20,11 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from safeview import log
-from safeview._pages import MemoryMap, _numpy, memory_map
-from safeview._rows import _MAX_ELEMENTS, _rows
 from safeview.errors import ArgumentError, CoverageError
 from safeview.findings import Finding
 from safeview.policy import Policy, PolicyArg, current_policy
+from safeview.transfer._pages import MemoryMap, _numpy, memory_map
+from safeview.transfer._rows import _MAX_ELEMENTS, _rows
 
 if TYPE_CHECKING:
     import numpy as np

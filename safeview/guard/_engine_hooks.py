@@ -1,13 +1,13 @@
 """The process guard's transfer-engine side: NIXL's agent class and Mooncake's engine class,
 patched when they are imported.
 
-The methods that ``safeview.nixl.guard`` and ``safeview.mooncake.guard`` check on one agent or
-engine are replaced on the class, so every agent and engine of the process is checked, including
-those made by code nobody wrapped. The rows of memory this process owns (NIXL's local lists,
-Mooncake's local buffers) that lie in memory the process guard knows
-(``safeview.process``) are judged by ``safeview.transfer.check_descriptors`` against it, before
-the engine sees them; rows elsewhere are let through and counted (``unknown_addresses``). A peer's
-addresses are never judged here. Neither engine is imported by this module.
+The methods that ``safeview.transfer.nixl.guard`` and ``safeview.transfer.mooncake.guard`` check on
+one agent or engine are replaced on the class, so every agent and engine of the process is checked,
+including those made by code nobody wrapped. The rows of memory this process owns (NIXL's local
+lists, Mooncake's local buffers) that lie in memory the process guard knows
+(``safeview.guard.process``) are judged by ``safeview.transfer.check_descriptors`` against it,
+before the engine sees them; rows elsewhere are let through and counted (``unknown_addresses``). A
+peer's addresses are never judged here. Neither engine is imported by this module.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ _PATCHED = "__safeview_process_guard__"
 LOCAL_AGENT = "NIXL_INIT_AGENT"
 
 
-# the judge of local rows, handed over by ``safeview.process`` (which imports this module) when it
-# patches an engine: ``judge_rows(source, rows)``
+# the judge of local rows, handed over by ``safeview.guard.process`` (which imports this module)
+# when it patches an engine: ``judge_rows(source, rows)``
 _judges: list[Callable[[str, Any], None]] = []
 
 
@@ -48,7 +48,7 @@ def patch_nixl(module: Any, judge_rows: Callable[[str, Any], None]) -> None:
     """Check the local descriptor lists of every ``nixl_agent`` of ``module`` (``nixl_cu12._api``
     and its siblings) with ``judge_rows``."""
     _judges[:] = [judge_rows]
-    from safeview.nixl import _rows
+    from safeview.transfer.nixl import _rows
 
     agent_class = getattr(module, "nixl_agent", None)
     if agent_class is None:

@@ -9,9 +9,9 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from safeview._pages import _TOP, ADDRESS_LIMIT, _Index, _numpy
 from safeview.errors import ArgumentError
 from safeview.findings import Descriptor, Finding
+from safeview.transfer._pages import _TOP, ADDRESS_LIMIT, _Index, _numpy
 
 if TYPE_CHECKING:
     import numpy as np
