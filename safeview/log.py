@@ -314,10 +314,18 @@ _manifest: ContextVar[dict[str, Any] | None] = ContextVar("safeview_manifest", d
 
 
 @contextmanager
-def manifest_of_registration(fingerprint: str, path: str | None) -> Iterator[None]:
-    """Inside the block, ``registration_checked`` also carries ``manifest_fingerprint`` and
-    ``manifest_path`` (``None`` when no file was written)."""
-    token = _manifest.set({"manifest_fingerprint": fingerprint, "manifest_path": path})
+def manifest_of_registration(
+    fingerprint: str, path: str | None, published: Sequence[str] | None = None
+) -> Iterator[None]:
+    """Inside the block, ``registration_checked`` also carries ``manifest_fingerprint``,
+    ``manifest_path`` (``None`` when no file was written) and ``manifest_published``: the
+    channels the manifest goes out on for peers to judge it against (``handshake``, ``store``,
+    ``folder``; the names of the layout events' ``against``), by default the folder when a file
+    was written."""
+    channels = list(published) if published is not None else ["folder"] if path else []
+    token = _manifest.set(
+        {"manifest_fingerprint": fingerprint, "manifest_path": path, "manifest_published": channels}
+    )
     try:
         yield
     finally:
@@ -463,9 +471,10 @@ def _pair(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def layout_checked(*, verdict: Literal["compatible", "not_judged"], **fields: Any) -> None:
-    """``layout_checked`` (INFO): the vLLM plugin judged whether a decode worker reads a prefill
-    engine's KV-cache bytes as that engine meant them (``safeview.vllm._layout``), and found
-    them compatible, or left the pair to vLLM (``not_judged``, with the reason). ``fields``:
+    """``layout_checked`` (INFO): a receiver was judged against its peer's manifest
+    (``safeview.manifest.peer.judge_peer``: the vLLM plugin's decode worker against a prefill
+    engine, a Mooncake receiver against a segment), whichever channel brought it (``against``),
+    and found compatible, or left unjudged (``not_judged``, with the reason). ``fields``:
     ``_PAIR_KEYS`` (``remote_fingerprints``, ``layers`` and ``findings`` may be left out)."""
     if stdlib_logger.isEnabledFor(logging.INFO):
         pair = _pair(fields)

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import http.server
+import importlib.util
 import json
+import os
+import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from safeview.manifest import MANIFEST_SCHEMA, Manifest, assumed
+from safeview.manifest.wire import to_wire
 
 
 def run(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -281,3 +291,207 @@ def test_a_page_copy_between_ranks_of_other_heads_is_a_mismatch_naming_the_head(
     assert result.returncode == 1
     assert "reads K token 0 head 4 element 0, the sender wrote K token 0 head 0" in result.stdout
     assert "sender rank 0 of TP 2, receiver rank 1 of TP 2" in result.stdout.splitlines()[0]
+
+
+# -- sources across machines: a wire payload, a handshake payload, a metadata store (issue 28) --
+
+
+def rank_manifest(tp: int = 2, rank: int = 0, layout: str = "NB_NH_BS_2HS") -> Manifest:
+    return assumed(
+        layout,
+        layers=[f"model.layers.{i}.self_attn" for i in range(4)],
+        num_blocks=32,
+        block_tokens=16,
+        num_heads=8 // tp,
+        head_size=16,
+        dtype="bfloat16",
+        topology={"tp_rank": rank, "tp_size": tp, "total_kv_heads": 8, "engine": "vllm"},
+    )
+
+
+def handshake_payload(manifest: Manifest | None) -> bytes:
+    """What vLLM 0.33's NIXL side channel serves for one rank (NixlHandshakePayload, msgpack
+    through msgspec: a map of its fields), with safeview's manifest under its own key on P."""
+    import msgspec
+
+    metadata = {"engine_id": "vllm", "block_lens": [4096], "kv_cache_layout": "HND"}
+    agent = msgspec.msgpack.encode(metadata)
+    payload: dict[str, Any] = {"compatibility_hash": "ab" * 32, "agent_metadata_bytes": agent}
+    if manifest is not None:
+        payload["safeview_manifest"] = to_wire(manifest)
+    encoded: bytes = msgspec.msgpack.encode(payload)
+    return encoded
+
+
+def test_a_wire_payload_and_a_handshake_payload_saved_to_files_are_sides(tmp_path: Path) -> None:
+    decode = engine(tmp_path / "d", 4)
+    wire = tmp_path / "p.rank0.wire"
+    wire.write_bytes(to_wire(rank_manifest()))
+    result = run(str(wire), str(decode), "--rule", "vllm_nixl")
+    assert result.returncode == 1  # rank 0 alone: D ranks reading P rank 1 are not judged
+    assert "sender rank 0 of TP 2, receiver ranks 0-3 of TP 4" in result.stdout
+    assert "missing_rank" in result.stdout
+    single = run(str(wire), str(decode / "vllm.tp1of4.manifest.json"), "--rule", "vllm_nixl")
+    assert single.returncode == 0, single.stdout + single.stderr  # D rank 1 reads P rank 0
+    payload = tmp_path / "p.rank0.handshake"
+    payload.write_bytes(handshake_payload(rank_manifest()))
+    same = run(str(payload), str(decode / "vllm.tp1of4.manifest.json"), "--rule", "vllm_nixl")
+    assert same.returncode == 0, same.stderr
+    assert same.stdout.startswith(f"COMPATIBLE {payload} -> ")
+    moved = tmp_path / "moved.handshake"
+    moved.write_bytes(handshake_payload(rank_manifest(layout="NB_BS_NH_2HS")))
+    wrong = run(str(moved), str(decode / "vllm.tp1of4.manifest.json"), "--rule", "vllm_nixl")
+    assert wrong.returncode == 1
+    assert "  byte  model.layers.0.self_attn: receiver page byte" in wrong.stdout
+
+
+def bad_wire_sources(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    good = to_wire(rank_manifest())
+    cases = {
+        "forged.wire": (good.replace(b'"layers":[["0"', b'"layers":[["9"'), "fingerprint: "),
+        "cut.wire": (good[: len(good) // 2], "is not JSON"),
+        "plain.handshake": (handshake_payload(None), "safeview_manifest: is absent"),
+        "garbled.handshake": (handshake_payload(rank_manifest())[:40], "not a msgpack"),
+        "forged.handshake": (
+            handshake_payload(rank_manifest()).replace(b'"layers":[["0"', b'"layers":[["7"'),
+            "safeview_manifest: fingerprint: ",
+        ),
+    }
+    found = {}
+    for name, (data, words) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        found[name] = (tmp_path / name, words)
+    return found
+
+
+@pytest.mark.parametrize(
+    "case", ["forged.wire", "cut.wire", "plain.handshake", "garbled.handshake", "forged.handshake"]
+)
+def test_a_bad_wire_or_handshake_file_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
+    path, words = bad_wire_sources(tmp_path)[case]
+    result = run(str(path), str(engine(tmp_path / "d", 2)))
+    assert result.returncode == 2, result.stdout
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"safeview: {path}")
+    assert words in line, line
+    assert "Traceback" not in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def metadata_server() -> Iterator[str]:
+    """Mooncake's own HTTP metadata server (its wheel's ``mooncake.http_metadata_server``) on
+    127.0.0.1, as a Mooncake deployment runs it; its ``/metadata`` URL."""
+    if importlib.util.find_spec("mooncake") is None:
+        if os.environ.get("SAFEVIEW_REQUIRE_ENGINES") == "1":
+            pytest.fail("SAFEVIEW_REQUIRE_ENGINES=1 but Mooncake is not installed")
+        pytest.skip("Mooncake is not installed here: its HTTP metadata server with it")
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/metadata"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}?key=probe", timeout=2)
+            except urllib.error.HTTPError:
+                break  # 404: it answers
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    why = server.stderr.read().decode() if server.stderr else ""
+                    raise RuntimeError(f"the metadata server did not start: {why}") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def put(url: str, key: str, data: bytes) -> None:
+    request = urllib.request.Request(f"{url}?key={key}", data=data, method="PUT")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
+def test_a_manifest_in_mooncakes_metadata_server_is_a_side(
+    tmp_path: Path, metadata_server: str
+) -> None:
+    decode = engine(tmp_path / "d", 2) / "vllm.tp0of2.manifest.json"
+    # where a Mooncake sender publishes it: a key of its own beside its segment's
+    key = "mooncake/safeview/127.0.0.1:7001"
+    put(metadata_server, key, to_wire(rank_manifest()))
+    source = f"{metadata_server}?key={key}"
+    result = run(source, str(decode))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"COMPATIBLE {source} -> ")
+    quoted = f"{metadata_server}?key=mooncake%2Fsafeview%2F127.0.0.1%3A7001"
+    assert run(quoted, str(decode)).returncode == 0
+    as_receiver = run(str(decode), quoted.replace("127.0.0.1:", "localhost:", 1))
+    assert as_receiver.returncode == 0, as_receiver.stderr
+    put(metadata_server, "mooncake/safeview/moved", to_wire(rank_manifest(layout="NB_BS_NH_2HS")))
+    moved = run(f"{metadata_server}?key=mooncake/safeview/moved", str(decode))
+    assert moved.returncode == 1
+    assert "  byte  model.layers.0.self_attn: receiver page byte" in moved.stdout
+    # a full manifest file's text, stored there, is read too
+    put(metadata_server, "mooncake/safeview/file", rank_manifest().to_json().encode())
+    assert run(f"{metadata_server}?key=mooncake/safeview/file", str(decode)).returncode == 0
+
+
+def test_a_store_url_that_fails_is_one_line_exit_2(tmp_path: Path, metadata_server: str) -> None:
+    decode = str(engine(tmp_path / "d", 2))
+    put(metadata_server, "mooncake/safeview/forged",
+        to_wire(rank_manifest()).replace(b'"layers":[["0"', b'"layers":[["5"'))  # fmt: skip
+    closed = f"http://127.0.0.1:{_free_port()}/metadata?key=k"
+    cases = {
+        f"{metadata_server}?key=mooncake/safeview/nobody": "HTTP 404 (nothing is stored under "
+        "that key)",
+        f"{metadata_server}?key=mooncake/safeview/forged": "fingerprint: ",
+        closed: "cannot be fetched: ",
+        "http://10.0.0.1:8080/metadata?key=k": "names host 10.0.0.1: only a store on this machine",
+        "http://example.com/metadata?key=k": "names host example.com",
+        "https://127.0.0.1:1/metadata?key=k": "is not an http:// URL",
+        "etcd://127.0.0.1:2379": "is not an http:// URL",
+        "http://127.0.0.1:99999/metadata": "is not a URL",
+    }
+    for url, words in cases.items():
+        result = run(url, decode)
+        assert result.returncode == 2, (url, result.stdout)
+        [line] = result.stderr.splitlines()
+        assert line.startswith("safeview: "), line
+        assert words in line, line
+        assert "Traceback" not in result.stderr
+
+
+class _Redirecting(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(302)
+        self.send_header("Location", "http://10.0.0.1/metadata?key=k")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_redirect_off_the_machine_is_not_followed(tmp_path: Path) -> None:
+    # beside the real store above: a loopback server that redirects elsewhere
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Redirecting)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = run(f"http://127.0.0.1:{server.server_port}/metadata?key=k",
+                     str(engine(tmp_path / "d", 2)))  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 2
+    assert "cannot be fetched: HTTP 302" in result.stderr

@@ -181,7 +181,8 @@ def test_a_valid_pair_passes_untouched_and_every_byte_arrives_as_p_meant_it(
             "compatible",
             0,
         )
-        assert event["against"] == ("manifest" if manifests == "shared" else "nixl_metadata")
+        # P's own manifest travels in its handshake (issue 28): folder or none, it is judged
+        assert event["against"] == "handshake"
         assert event["layers"] == harness.LAYERS
     assert not [e for e in result["events"] if e["event"] == "layout_mismatch"]
 
@@ -331,7 +332,7 @@ def test_a_larger_p_block_is_a_safeview_error_naming_the_layer_and_both_block_si
         "refused",
     )
     assert (event["kind"], event["layer"]) == ("refused", LAYER_0)
-    assert event["against"] == ("manifest" if manifests == "shared" else "nixl_metadata")
+    assert event["against"] == "handshake"
 
 
 def test_with_p_manifests_already_there_the_mismatch_is_said_at_start_up(
@@ -394,16 +395,21 @@ def test_under_warn_the_byte_named_is_the_first_one_the_real_read_delivers_wrong
     assert event["sender_wrote"] == "K token 0 head 1 element 0"
 
 
-def test_from_p_metadata_alone_a_layer_laid_out_otherwise_cannot_be_seen(
+def test_without_a_shared_folder_a_layer_laid_out_otherwise_is_refused_from_p_handshake(
     judged: dict[Any, Any],
 ) -> None:
-    # P's metadata reports the same layout string and block lengths: the rebuilt manifest is
-    # P's declared layout, and the event says it judged against the metadata
+    # P's metadata reports the same layout string and block lengths (a manifest rebuilt from it
+    # cannot see the layer); P's own manifest, which its handshake carries (issue 28), can:
+    # refused before the READ, with no folder at all
     result = judged[("permuted_layer", "strict", "separate")]
     [event] = _layout_events(result)
-    assert (event["verdict"], event["against"]) == ("compatible", "nixl_metadata")
+    assert (event["verdict"], event["against"], event["layer"]) == (
+        "mismatch",
+        "handshake",
+        LAYER_1,
+    )
     [read] = result["reads"]
-    assert read["oracle"]["layers"][LAYER_1]["wrong"] > 0
+    assert read["untouched"]
 
 
 def test_a_refused_peer_does_not_hold_up_a_healthy_one(judged: dict[Any, Any]) -> None:
@@ -428,12 +434,13 @@ def test_packed_mla_rows_are_judged_against_manifests_and_left_to_vllm_from_meta
     shared = judged[("packed_mla", "strict", "shared")]
     _every_element_arrived(shared)
     [event] = _layout_events(shared)
-    assert (event["verdict"], event["against"]) == ("compatible", "manifest")
+    assert (event["verdict"], event["against"]) == ("compatible", "handshake")
+    # without a folder too: P's handshake carries its manifest (from P's NIXL metadata alone,
+    # packed rows would be left to vLLM)
     alone = judged[("packed_mla", "strict", None)]
     _every_element_arrived(alone)
     [event] = _layout_events(alone)
-    assert (event["verdict"], event["against"]) == ("not_judged", "nixl_metadata")
-    assert event["reason"] == "P registers packed MLA block rows"
+    assert (event["verdict"], event["against"]) == ("compatible", "handshake")
 
 
 # -- heads belong to the layer (issue 26, point 12) --------------------------------------------

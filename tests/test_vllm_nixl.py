@@ -340,3 +340,59 @@ def test_an_agent_it_cannot_guard_is_left_alone_with_one_warning(
     [event] = events
     assert (event["event"], event["level"]) == ("integration_unavailable", "warning")
     assert reason in event["reason"]
+
+
+#: the child of the test below: for each AMX answer, every case's config as the harness builds it,
+#: the backends vLLM picks for it, and the kernel block vLLM's NIXL worker would take
+_BACKEND_PROBE = """
+import json, os, sys, torch
+import vllm_nixl_harness as harness
+from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+from vllm.v1.worker.utils import select_common_block_size
+child, found = harness._Child(), {}
+for amx in (True, False):
+    torch.cpu._is_amx_tile_supported = lambda amx=amx: amx  # what vLLM's CPU platform asks
+    for name, case in harness.CASES.items():
+        config = child.vllm_config(case, "probe")
+        backends = get_current_attn_backends(config)
+        try:
+            kernel = select_common_block_size(case.block_size, backends)
+        except ValueError as error:
+            kernel = str(error)
+        found[f"{amx}/{name}"] = [
+            [b.get_name() for b in backends], config.cache_config.block_size, kernel
+        ]
+print("PROBE " + json.dumps(found), flush=True)
+os._exit(0)
+"""
+
+
+def test_every_case_is_the_same_engine_on_a_cpu_with_or_without_amx() -> None:
+    """vLLM's CPU platform gives MLA layers AMX_MLA (blocks a multiple of 32) where the CPU has
+    AMX tiles and CPU_MLA (exactly 16) elsewhere; CI's machines have AMX. Each case's block size
+    must be its backend's kernel block on both kinds, so the worker's blocks are the
+    allocator's: the harness names CPU_MLA for MLA."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
+    environ["VLLM_TARGET_DEVICE"] = "cpu"
+    environ["PYTHONPATH"] = str(Path(harness.__file__).resolve().parent)
+    child = subprocess.run(
+        [sys.executable, "-c", _BACKEND_PROBE],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    [line] = [x for x in child.stdout.splitlines() if x.startswith("PROBE ")] or [
+        child.stdout[-4000:] + child.stderr[-4000:]
+    ]
+    found = json.loads(line.removeprefix("PROBE "))
+    for amx in (True, False):
+        for name, case in harness.CASES.items():
+            backend = "CPU_MLA" if case.model == "deepseek_v2" else "CPU_ATTN"
+            want = [[backend], case.block_size, case.block_size]
+            assert found[f"{amx}/{name}"] == want, (amx, name)

@@ -56,7 +56,8 @@ LAYERS = 3
 @dataclass(frozen=True)
 class Engine:
     """One engine: its KV-cache ``layout`` name, tensor-parallel size, block size (tokens; a
-    multiple of 32, which vLLM's CPU attention takes as its kernel block, or 16 for MLA), block
+    multiple of 32, which vLLM's CPU attention takes as its kernel block, or 16 for MLA, which
+    CPU_MLA takes, named by ``vllm_nixl_harness`` on every machine, AMX or not), block
     count, and model (``llama``: 4 KV heads of 64 values; ``deepseek_v2``: MLA, one latent of
     576 values per token, the same on every rank)."""
 

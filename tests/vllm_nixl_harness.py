@@ -115,7 +115,8 @@ class Case:
     """A model and a KV-cache layout: ``heads[i]`` is layer i's KV heads (attention, head size
     64), or ``None`` for an MLA layer (one latent of 576 values); ``block_size`` in tokens, one
     that vLLM's CPU backend for the layers takes as its kernel block (CPU_ATTN: multiples of 32;
-    CPU_MLA: 16), so that the worker's blocks are the allocator's."""
+    CPU_MLA, named in the config so that a CPU with AMX does not pick AMX_MLA's multiples of 32:
+    16), so that the worker's blocks are the allocator's."""
 
     model: str  # "llama" or "deepseek_v2"
     layout: str  # a vllm.v1.kv_cache_layout.KVCacheLayout name
@@ -272,13 +273,19 @@ class _Child:
     def vllm_config(self, case: Case, engine_id: str) -> Any:
         """A real VllmConfig for ``case``, with a NixlConnector of ``engine_id``."""
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
         from vllm.v1.attention.backends.utils import record_kv_cache_layout
 
+        # vLLM's CPU platform picks AMX_MLA for MLA where the CPU has AMX tiles (blocks a
+        # multiple of 32) and CPU_MLA elsewhere (blocks of exactly 16, forced): naming CPU_MLA
+        # makes an MLA engine the same 16-token engine on every machine, with or without AMX
+        backend = AttentionBackendEnum.CPU_MLA if case.model == "deepseek_v2" else None
         config = EngineArgs(
             model=str(self.models[case.model]),
             skip_tokenizer_init=True,
             dtype="float16",
             block_size=case.block_size,
+            attention_backend=backend,
             max_model_len=512,
             num_gpu_blocks_override=NUM_BLOCKS,
             kv_transfer_config={

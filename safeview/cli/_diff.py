@@ -2,7 +2,12 @@
 engine before and after an upgrade) read the same bytes the same way? Never imports torch.
 
 Each side is a manifest file (one rank) or a folder of one engine's per-rank manifests
-(``*.json``; or holding one engine's folder of them, as the vLLM plugin writes). Without
+(``*.json``; or holding one engine's folder of them, as the vLLM plugin writes). A file may also
+hold one rank's manifest as it travels between machines: its wire form
+(``safeview.manifest.wire``), or a vLLM NIXL handshake payload saved as it was served (msgpack:
+the manifest under ``safeview_manifest``). A side may be a metadata-store URL on this machine
+(``http://127.0.0.1:PORT/metadata?key=KEY``, Mooncake's HTTP metadata server), fetched with no
+proxy and no redirect; only loopback hosts. Without
 ``--rule``, the rule of the connector the manifests name. Exit status 0 compatible, 1 a mismatch
 (a line per finding, the first byte named; a rank missing from a folder is one), 2 bad input
 (one short line on standard error, never a traceback); ``--json`` prints one document with
@@ -36,12 +41,13 @@ def _load_side(argument: str) -> Any:
     holding no manifest but one engine's folder, as the vLLM plugin writes them
     (``DIR/ENGINE/ENGINE.tpRofN.manifest.json``), is read through."""
     from safeview.errors import ManifestError
-    from safeview.manifest import Manifest
 
+    if "://" in argument:
+        return _read_manifest(_fetched(argument), argument)
     path = Path(argument)
     try:
         if not path.is_dir():
-            return Manifest.read(path)
+            return _read_manifest(path.read_bytes(), argument)
         files = _json_files(path)
         if not files:
             engines = sorted(p for p in path.iterdir() if p.is_dir() and _json_files(p))
@@ -60,7 +66,7 @@ def _load_side(argument: str) -> Any:
                     "engine's folder of them"
                 )  # fmt: skip
             files = _json_files(engines[0])
-        manifests = [Manifest.read(file) for file in files]
+        manifests = [_read_manifest(file.read_bytes(), str(file)) for file in files]
     except OSError as error:
         raise ManifestError(argument, None, f"cannot be read: {error.strerror or error}") from None
     engines_named = sorted({str(m.topology.engine) for m in manifests})
@@ -72,6 +78,125 @@ def _load_side(argument: str) -> Any:
             f"holds manifests of several engines ({shown}): give one engine's folder",
         )
     return manifests
+
+
+# What a side's file or URL may hold: a manifest is a few MB at most (1,000 layers written
+# out in full); past this it is no manifest, and reading on would only fill memory.
+MAX_SOURCE_BYTES = 64 * 1024 * 1024
+_LOOPBACK_NAMES = ("localhost",)
+
+
+def _read_manifest(data: bytes, source: str) -> Any:
+    """The one manifest ``data`` holds: a manifest file's JSON, its wire form, or a vLLM NIXL
+    handshake payload (a msgpack map, the manifest's wire form under ``safeview_manifest``)."""
+    from safeview.errors import ManifestError
+    from safeview.manifest import Manifest
+    from safeview.manifest.wire import WIRE_SCHEMA, from_wire
+
+    if len(data) > MAX_SOURCE_BYTES:
+        raise ManifestError(
+            source,
+            f"{len(data):,} bytes",
+            f"is more than the {MAX_SOURCE_BYTES:,} a manifest holds",
+        )
+    if data[:1] and (0x80 <= data[0] <= 0x8F or data[0] in (0xDE, 0xDF)):  # a msgpack map
+        return from_wire(_handshake_manifest(data, source), peer=f"{source}: safeview_manifest")
+    if _schema_of(data) == WIRE_SCHEMA:
+        return from_wire(data, peer=source)
+    return Manifest.from_json(data, source=source)  # which names what is wrong, if anything
+
+
+def _schema_of(data: bytes) -> object:
+    """The ``$schema`` of a JSON object, ``None`` for anything else."""
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return document.get("$schema") if isinstance(document, dict) else None
+
+
+def _handshake_manifest(data: bytes, source: str) -> bytes:
+    """The wire form under ``safeview_manifest`` in a saved NIXL handshake payload."""
+    from safeview.errors import ManifestError
+
+    try:
+        import msgspec
+
+        decoded = msgspec.msgpack.decode(data)
+    except ImportError:
+        raise ManifestError(
+            source, None, "is a msgpack handshake payload: reading one needs msgspec installed"
+        ) from None
+    except Exception as error:  # msgspec's DecodeError, or any value it will not read
+        raise ManifestError(source, None, f"is not a msgpack handshake payload ({error})") from None
+    if not isinstance(decoded, dict):
+        raise ManifestError(source, type(decoded).__name__, "is not a handshake payload (a map)")
+    wire = decoded.get("safeview_manifest")
+    if wire is None:
+        keys = ", ".join(sorted(str(key) for key in decoded)[:4])
+        raise ManifestError(
+            f"{source}: safeview_manifest",
+            None,
+            f"is absent (keys: {keys}): the engine that served this handshake sent no "
+            "manifest (it runs without safeview)",
+        )
+    if not isinstance(wire, (bytes, str)):
+        raise ManifestError(
+            f"{source}: safeview_manifest", type(wire).__name__, "is not bytes (to_wire's form)"
+        )
+    return wire if isinstance(wire, bytes) else wire.encode("utf-8", "surrogatepass")
+
+
+def _fetched(url: str) -> bytes:
+    """The body a metadata store on this machine serves at ``url`` (http, a loopback host): no
+    proxy (the environment's would see the request), no redirect (it could lead off the
+    machine), a timeout, a size limit."""
+    import ipaddress
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from safeview.errors import ManifestError
+
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        parts.port  # noqa: B018 - raises ValueError for a port that is not one
+    except ValueError as error:
+        raise ManifestError(_shown(url), None, f"is not a URL ({error})") from None
+    if parts.scheme != "http":
+        raise ManifestError(
+            _shown(url), None, "is not an http:// URL of a metadata store on this machine"
+        )
+    try:
+        loopback = host in _LOOPBACK_NAMES or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ManifestError(
+            _shown(url),
+            None,
+            f"names host {_shown(host) or '(none)'}: only a store on this machine is read "
+            "(127.0.0.1, ::1, localhost)",
+        )
+
+    class _NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None  # the 3xx then fails as an HTTPError, named below
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+    try:
+        with opener.open(url, timeout=10) as response:
+            body: bytes = response.read(MAX_SOURCE_BYTES + 1)
+    except urllib.error.HTTPError as error:
+        why = "nothing is stored under that key" if error.code == 404 else error.reason
+        raise ManifestError(
+            _shown(url), None, f"cannot be fetched: HTTP {error.code} ({why})"
+        ) from None
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", None) or error
+        raise ManifestError(_shown(url), None, f"cannot be fetched: {reason}") from None
+    return body
 
 
 def _json_files(folder: Path) -> list[Path]:
@@ -149,8 +274,13 @@ def add_diff_command(commands: Any) -> None:
         "transfer fills mean to the receiver what the sender wrote there? Exit status: 0 "
         "compatible, 1 mismatch, 2 bad input.",
     )
-    parser.add_argument("sender", metavar="SENDER", help="a manifest file, or a folder of one "
-                        "engine's per-rank manifests (for P/D: the prefill side)")  # fmt: skip
+    parser.add_argument(
+        "sender",
+        metavar="SENDER",
+        help="a manifest file (a manifest, its wire form, or a saved vLLM NIXL handshake "
+        "payload), a folder of one engine's per-rank manifests, or a metadata-store URL on this "
+        "machine (http://127.0.0.1:PORT/metadata?key=KEY); for P/D: the prefill side",
+    )
     parser.add_argument("receiver", metavar="RECEIVER", help="the same, for the receiving side")
     parser.add_argument(
         "--rule",

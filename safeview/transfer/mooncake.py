@@ -23,6 +23,20 @@ batch id (0: the submit failed); the guard remembers the id with its local rows 
 ``get_batch_transfer_status`` (or ``transfer_check_status``) reports its outcome, and until then
 the bytes of an asynchronous read count as not yet read.
 
+Across machines (``manifest=``): the guard publishes the layout manifest of its engine's KV
+cache in the metadata store the engine already uses, under a key of its own next to the
+engine's segment (``store_key``), and, before the first transfer from or to another segment,
+reads that segment's manifest from the store and judges the pair with
+``safeview.manifest.peer.judge_peer(..., against="store")``; the verdict is kept per segment, so
+every later transfer costs a dictionary lookup. Under strict a pair that does not match, or that
+cannot be judged (the peer published nothing, its manifest is truncated, forged, over the cap or
+of another schema, the store cannot be read, a store safeview does not read), is refused before
+the engine moves a byte; under warn it is an event and the transfer goes ahead. Only Mooncake's
+HTTP metadata server (``http://...``) is read and written: with ``P2PHANDSHAKE`` there is no
+store (the segment descriptors travel in Mooncake's own RPC handshake, which safeview cannot
+extend), and etcd and redis need clients safeview does not ship; those pairs are not judged,
+and say why.
+
 Every other attribute is the engine's own. Mooncake is never imported here. An engine without
 the methods this guard knows (Mooncake 0.3.13) gets one ``integration_unavailable`` event and is
 returned as it is.
@@ -30,15 +44,18 @@ returned as it is.
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 import warnings
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from importlib import metadata
 from itertools import accumulate
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from safeview import log
-from safeview.errors import FailureIgnoredError
+from safeview.errors import FailureIgnoredError, LayoutMismatchError, ManifestError
 from safeview.findings import Descriptor
 from safeview.policy import Policy, PolicyArg, current_policy
 from safeview.transfer import (
@@ -52,7 +69,10 @@ from safeview.transfer import (
 )
 from safeview.transfer.coverage import layers_in
 
-__all__ = ["GuardedEngine", "guard"]
+if TYPE_CHECKING:
+    from safeview.manifest import Derived, Manifest
+
+__all__ = ["STORE_PREFIX", "GuardedEngine", "guard", "store_key"]
 
 _NEEDS = (
     "register_memory",
@@ -75,6 +95,95 @@ def _version() -> str | None:
     return None
 
 
+#: where a guard keeps its engine's manifest in the metadata store: a sibling of Mooncake's own
+#: ``mooncake/ram/<segment>`` and ``mooncake/rpc_meta/<segment>`` keys
+STORE_PREFIX = "mooncake/safeview/"
+#: a store that does not answer within this long leaves the pair not judged; it never holds a
+#: transfer for longer (the first one to a segment only: the verdict is kept)
+STORE_TIMEOUT_S = 3.0
+
+
+def store_key(segment: str) -> str:
+    """The key of the manifest of Mooncake segment ``segment`` (the local host name its engine
+    was initialized with, ``"10.0.0.5:17001"``: the name a peer transfers to) in the metadata
+    store: ``mooncake/safeview/<segment>``; its value is ``safeview.manifest.wire.to_wire``'s."""
+    return STORE_PREFIX + segment
+
+
+def _store_url(metadata_server: str, segment: str) -> str:
+    """The URL of ``segment``'s manifest on Mooncake's HTTP metadata server, whose URL is the
+    engine's metadata server string (``http://host:port/metadata``)."""
+    joint = "&" if "?" in metadata_server else "?"
+    return f"{metadata_server}{joint}key={quote(store_key(segment), safe='')}"
+
+
+def _unread_store(metadata_server: str | None) -> str | None:
+    """Why the manifests of ``metadata_server``'s segments cannot be read or written; ``None``
+    for Mooncake's HTTP metadata server, the one store safeview reads."""
+    if metadata_server is None:
+        return (
+            "the guard does not know the engine's metadata store: initialize the engine through "
+            "the guard, or pass guard(..., metadata_server=..., segment=...)"
+        )
+    if metadata_server.startswith(("http://", "https://")):
+        return None
+    if metadata_server.upper().startswith("P2PHANDSHAKE"):
+        return (
+            "Mooncake's P2PHANDSHAKE mode keeps no metadata store: segment descriptors travel in "
+            "its own RPC handshake, which safeview cannot extend"
+        )
+    scheme = metadata_server.split("://", 1)[0] if "://" in metadata_server else "etcd"
+    return (
+        f"the metadata store {metadata_server!r} ({scheme}) is not read by safeview: only "
+        "Mooncake's HTTP metadata server (http://...) is"
+    )
+
+
+def _open(request: str | urllib.request.Request) -> Any:
+    """Open ``request`` on the store directly: the engine reaches its store on the cluster's
+    network, never through a proxy named in the environment for the outside world."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    return opener.open(request, timeout=STORE_TIMEOUT_S)
+
+
+def _publish(metadata_server: str, segment: str, manifest: Manifest | Derived) -> None:
+    """Put ``manifest``'s wire form under ``segment``'s key; a failure is an event (the engine
+    works on: a peer that finds nothing says the pair was not judged)."""
+    from safeview.manifest import wire
+
+    if _unread_store(metadata_server) is not None:
+        return  # its peers' guards say why the pair is not judged
+    url = _store_url(metadata_server, segment)
+    try:
+        request = urllib.request.Request(url, data=wire.to_wire(manifest), method="PUT")
+        with _open(request) as answer:
+            answer.read()
+    except (OSError, ValueError, ManifestError) as error:
+        log.integration(
+            "integration_unavailable",
+            integration="mooncake",
+            reason=f"the manifest of segment {segment!r} was not published at {url}: {error}",
+            version=_version(),
+        )
+
+
+def _fetch(metadata_server: str, segment: str) -> bytes | None:
+    """The bytes under ``segment``'s key (at most one past the cap: ``from_wire`` refuses what
+    is larger without the rest being read), ``None`` when the store holds none; ``OSError``
+    when the store cannot be read."""
+    from safeview.manifest.wire import WIRE_CAP_BYTES
+
+    url = _store_url(metadata_server, segment)
+    try:
+        with _open(url) as answer:
+            data: bytes = answer.read(WIRE_CAP_BYTES + 1)
+            return data
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return None
+        raise
+
+
 def guard(
     engine: Any,
     registration: object,
@@ -82,6 +191,9 @@ def guard(
     policy: PolicyArg | None = None,
     whole_pages: bool = True,
     layers: Intent = None,
+    manifest: Manifest | Derived | None = None,
+    metadata_server: str | None = None,
+    segment: str | None = None,
 ) -> Any:
     """A proxy of ``engine`` (a Mooncake ``TransferEngine``) that checks each transfer's local
     rows against ``registration`` (what ``safeview.kv.block_views`` or
@@ -93,6 +205,13 @@ def guard(
     checks nothing. The policy is looked up at each call unless given here.
     ``whole_pages=False`` lets rows be slices of one page. ``layers``: which layer each local
     row of a batch is meant for, as for ``safeview.transfer.nixl.guard``.
+
+    ``manifest`` (``safeview.describe`` or ``derive`` of the KV cache the registration holds,
+    with its topology): published in the engine's metadata store under ``store_key(segment)``,
+    and each peer segment judged against it before the first transfer from or to it (see the
+    module's docstring). ``metadata_server`` and ``segment`` are the first two arguments the
+    engine's ``initialize`` was given (its local host name and its metadata server string);
+    an engine initialized through the guard needs neither.
     """
     memory = memory_map(registration)
     if isinstance(engine, GuardedEngine):
@@ -100,6 +219,7 @@ def guard(
         engine._safeview_policy = policy
         engine._safeview_whole_pages = whole_pages
         engine._safeview_layers = layers
+        engine._safeview_across(manifest, metadata_server, segment)
         return engine
     missing = [name for name in _NEEDS if not callable(getattr(engine, name, None))]
     if missing:
@@ -118,7 +238,20 @@ def guard(
                 stacklevel=2,
             )
         return engine
-    return GuardedEngine(engine, memory, policy, whole_pages, layers)
+    guarded = GuardedEngine(engine, memory, policy, whole_pages, layers)
+    guarded._safeview_across(manifest, metadata_server, segment)
+    return guarded
+
+
+#: what a pair's verdict refuses under strict: the layouts differ, or it could not be judged
+_Refusal = LayoutMismatchError | ManifestError
+
+
+def _whole(manifest: Manifest | Derived) -> Manifest:
+    """A ``Derived`` built into its ``Manifest`` (the judge compares manifests)."""
+    from safeview.manifest import Derived
+
+    return manifest.manifest() if isinstance(manifest, Derived) else manifest
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str) -> Any:
@@ -204,12 +337,138 @@ class GuardedEngine:
         # batch id -> (the call that submitted it, its local rows, whether it reads), until the
         # engine reports its outcome (the engine frees the id then, and may hand it out again)
         self._safeview_batches: dict[int, tuple[str, list[tuple[int, int]], bool]] = {}
+        # across machines: this engine's manifest, its store and segment, and the verdict on
+        # each peer segment (target, reading, policy) -> the error strict raises, or None
+        self._safeview_manifest: Manifest | None = None
+        self._safeview_store: str | None = None
+        self._safeview_segment: str | None = None
+        self._safeview_peers: dict[tuple[str, bool, Policy], _Refusal | None] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
     def __repr__(self) -> str:
         return f"<safeview guard of {self.engine!r}>"
+
+    # -- across machines: the peer's manifest, from the metadata store ----------------------
+
+    def _safeview_across(
+        self, manifest: Manifest | Derived | None, metadata_server: str | None, segment: str | None
+    ) -> None:
+        """Take this engine's manifest and where it lives; publish it when both are known."""
+        if manifest is not None and not hasattr(manifest, "fingerprint"):
+            raise ManifestError(
+                "manifest", type(manifest).__name__, "is not a Manifest or Derived (describe)"
+            )
+        self._safeview_manifest = None if manifest is None else _whole(manifest)
+        self._safeview_store = metadata_server or self._safeview_store
+        self._safeview_segment = segment or self._safeview_segment
+        self._safeview_peers.clear()
+        self._safeview_publish()
+
+    def _safeview_publish(self) -> None:
+        mine, store, segment = (
+            self._safeview_manifest, self._safeview_store, self._safeview_segment
+        )  # fmt: skip
+        if mine is not None and store is not None and segment is not None:
+            _publish(store, segment, mine)
+
+    def _initialized(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The engine's ``initialize`` (or ``_ext``): on success its local host name is the
+        segment's name and its metadata server the store the manifest goes to."""
+        result = getattr(self.engine, name)(*args, **kwargs)
+        if result == 0:
+            try:
+                self._safeview_segment = str(_argument(args, kwargs, 0, "arg0"))
+                self._safeview_store = str(_argument(args, kwargs, 1, "arg1"))
+                self._safeview_peers.clear()
+                self._safeview_publish()
+            except Exception as error:  # safeview's own failure: the engine is initialized
+                log.internal_error(where=f"safeview.transfer.mooncake guard, {name}", error=error)
+        return result
+
+    def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        return self._initialized("initialize", args, kwargs)
+
+    def initialize_ext(self, *args: Any, **kwargs: Any) -> Any:
+        return self._initialized("initialize_ext", args, kwargs)
+
+    def _peer(self, args: tuple[Any, ...], kwargs: dict[str, Any], reading: bool) -> None:
+        """Before a transfer with a peer segment: the pair's verdict (judged at the first
+        transfer, then looked up); under strict a refusal is raised before the engine runs."""
+        if self._safeview_manifest is None:
+            return
+        active = self._active()
+        if active is Policy.OFF:
+            return
+        target = str(_argument(args, kwargs, 0, "target_hostname"))
+        key = (target, reading, active)
+        try:
+            refusal = self._safeview_peers[key]
+        except KeyError:
+            try:
+                refusal = self._judge_peer(target, reading, active)
+            except Exception as error:  # safeview's own failure: the transfer goes on unjudged
+                log.internal_error(where="safeview.transfer.mooncake guard, peer", error=error)
+                refusal = None
+            self._safeview_peers[key] = refusal
+        if refusal is not None and active is Policy.STRICT:
+            raise refusal
+
+    def _judge_peer(self, target: str, reading: bool, active: Policy) -> _Refusal | None:
+        """Read ``target``'s manifest from the store and judge the pair: one event; the error
+        strict raises at each transfer with it (a mismatch, or why it could not be judged)."""
+        from safeview.manifest import wire
+        from safeview.manifest.peer import judge_peer
+
+        mine = self._safeview_manifest
+        assert mine is not None  # _peer judges only with a manifest
+        store = self._safeview_store
+        topology = mine.topology
+        fields: dict[str, Any] = {
+            "engine": topology.engine or self._safeview_segment,
+            "tp_rank": topology.tp_rank,
+            "tp_size": topology.tp_size,
+            "remote_engine": target,
+            "remote_tp_size": None,
+            "when": "transfer",
+            "fingerprint": mine.fingerprint,
+            "manifests": [],
+        }
+        where = f"{target}: {store_key(target)}"
+        reason = _unread_store(store)
+        theirs: Manifest | None = None
+        refusal: _Refusal | None = None
+        if reason is None:
+            assert store is not None  # _unread_store says why when it is None
+            fields["manifests"] = [_store_url(store, target)]
+            try:
+                data = _fetch(store, target)
+            except (OSError, ValueError) as error:
+                reason = f"the metadata store could not be read ({error})"
+            else:
+                if data is None:
+                    reason = (
+                        "the peer published no manifest in the metadata store (safeview is "
+                        "not on it, or its guard was given no manifest)"
+                    )
+                else:
+                    try:
+                        theirs = wire.from_wire(data, peer=where)
+                    except ManifestError as error:
+                        reason, refusal = str(error), error
+        if theirs is not None:
+            fields["remote_tp_size"] = theirs.topology.tp_size
+            # the bytes go from the sender to the receiver: a read brings the peer's in
+            sender, receiver = (theirs, mine) if reading else (mine, theirs)
+            return judge_peer(receiver, [sender], against="store", fields=fields,
+                              policy=active.value)  # fmt: skip
+        judge_peer(mine, None, against="store", fields=fields, reason=reason, policy=active.value)
+        if refusal is None:
+            refusal = ManifestError(
+                where, None, f"cannot be judged: {reason}; under strict such a pair is refused"
+            )
+        return refusal
 
     # -- checks ----------------------------------------------------------------------------
 
@@ -439,6 +698,7 @@ class GuardedEngine:
         source = f"mooncake.{name}"
         if reading is None:
             reading = _reads(_argument(args, kwargs, 4, "opcode"))
+        self._peer(args, kwargs, reading)
         if batch:
             self._batch(source, args, kwargs, reading=reading)
         else:

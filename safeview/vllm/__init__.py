@@ -353,6 +353,11 @@ def register_plugin() -> None:
             try:
                 config = kwargs.get("kv_cache_config", args[2] if len(args) > 2 else None)
                 _guarded(connector, config)
+                if current_policy() is not Policy.OFF:
+                    from safeview.vllm._nixl import guard_scheduler
+
+                    # P's scheduler: each request it sends to a D names P's layout
+                    guard_scheduler(connector, _vllm_layout.token_of_payload)
             except Exception as error:  # never stop the server for our own failure
                 log.internal_error(where="vllm create_connector", error=error)
             return connector
@@ -360,6 +365,15 @@ def register_plugin() -> None:
         setattr(create_connector, _PATCHED, True)
         # a classmethod looked up at call time: every connector vLLM creates passes through it
         setattr(KVConnectorFactory, "create_connector", classmethod(create_connector))  # noqa: B010
+        try:
+            from safeview.vllm._nixl import install_channels
+
+            # the manifest and the request token on the NIXL connector's own channels
+            install_channels()
+        except Exception as error:  # a NIXL connector it does not know: judged as before
+            _step_aside(
+                "layouts not carried on NIXL's channels", f"{type(error).__name__}: {error}"
+            )
     except Exception as error:
         log.integration(
             "integration_unavailable",

@@ -61,7 +61,15 @@ from safeview.manifest import (
     layer_heads,
     vllm_axes,
 )
-from safeview.manifest.diff import DiffReport, diff
+from safeview.manifest.diff import diff
+from safeview.manifest.peer import judge_peer
+from safeview.manifest.wire import (
+    from_wire,
+    parse_request_token,
+    request_token,
+    to_wire,
+    token_matches,
+)
 from safeview.policy import Policy
 
 __all__ = ["ENV_MANIFEST_DIR", "Registered", "at_registration", "manifest_dir"]
@@ -429,6 +437,9 @@ class WorkerLayout:
         self.policy = policy
         self.lock = threading.Lock()
         self.verdicts: dict[str, tuple[Any, LayoutMismatchError | None]] = {}
+        # per P engine met: its rank manifests judged, and the request tokens settled for it
+        self.peers: dict[str, _Peer] = {}
+        self.handshake = threading.local()  # the side channel of the handshake in this thread
 
     @property
     def manifest(self) -> Manifest:
@@ -502,29 +513,24 @@ class WorkerLayout:
         self, metadata: Any, remote: str, remote_tp_size: int, remote_dcp_size: int
     ) -> LayoutMismatchError | None:
         fields = self._fields(remote, remote_tp_size, "handshake")
+        reason = self._reason_not_judged(metadata, remote_dcp_size)
+        if reason is not None:
+            return judge_peer(self.manifest, None, against=None, fields=fields, reason=reason,
+                              policy=self.policy)  # fmt: skip
+        senders, against, paths, note = self._senders(metadata, remote, remote_tp_size)
+        return judge_peer(self.manifest, senders, against=against,  # type: ignore[arg-type]
+                          fields={**fields, "manifests": paths}, rule="vllm_nixl",
+                          policy=self.policy, reason=note)  # fmt: skip
+
+    def _reason_not_judged(self, metadata: Any, remote_dcp_size: int) -> str | None:
+        """Why the pair with the P of ``metadata`` is left to vLLM, or ``None``."""
         reason = self.not_judged()
         if reason is None and remote_dcp_size > 1:
             reason = "P shards its KV cache by decode context parallelism"
         backend = getattr(metadata, "attn_backend_name", None)
         if reason is None and backend not in (None, getattr(self.worker, "backend_name", backend)):
             reason = f"P's attention backend {backend} differs: vLLM may repack pages on receipt"
-        if reason is not None:
-            log.layout_checked(**fields, verdict="not_judged", reason=reason, against=None,
-                               manifests=[])  # fmt: skip
-            return None
-        senders, against, paths, note = self._senders(metadata, remote, remote_tp_size)
-        if senders is None:
-            log.layout_checked(**fields, verdict="not_judged", reason=note, against=against,
-                               manifests=paths)  # fmt: skip
-            return None
-        receiver = self.manifest
-        if against == "nixl_metadata":
-            # P's metadata names only the layers it registers regions for
-            common = {n: layer for n, layer in receiver.layers.items() if n in senders[0].layers}
-            receiver = Manifest(topology=receiver.topology, layers=common)
-        report = diff(senders, receiver, rule="vllm_nixl")
-        return self._verdict(report, {**fields, "against": against, "manifests": paths,
-                                      "reason": note})  # fmt: skip
+        return reason
 
     def _senders(
         self, metadata: Any, remote: str, remote_tp_size: int
@@ -542,7 +548,7 @@ class WorkerLayout:
                 and all(_agrees(m, metadata) for _, m in ranks.values())
             ):
                 ordered = [ranks[r] for r in sorted(ranks)]
-                return [m for _, m in ordered], "manifest", [str(p) for p, _ in ordered], None
+                return [m for _, m in ordered], "folder", [str(p) for p, _ in ordered], None
             if found:
                 note = (
                     f"P's manifests in {self.folder} are not those of its {remote_tp_size} "
@@ -555,21 +561,184 @@ class WorkerLayout:
         except _NotJudgedError as why:
             return None, "nixl_metadata", [], str(why)
 
-    def _verdict(self, report: DiffReport, fields: dict[str, Any]) -> LayoutMismatchError | None:
-        """One event for ``report``; the error to raise (under strict, at a handshake)."""
-        fields = {
-            **fields,
-            "remote_fingerprints": report.sender_fingerprints,
-            "layers": len(report.layers),
-            "findings": len(report.findings),
+    # -- P's manifest from its handshake, and each request's token ---------------------------
+
+    def serve(self) -> None:
+        """P's side: this rank's manifest goes into what the worker serves at the handshake."""
+        from safeview.vllm._nixl import serve_manifest
+
+        serve_manifest(self.worker, to_wire(self.derived))
+
+    def _target_ranks(self, remote_tp_size: int, remote_dcp_size: int) -> list[int]:
+        """The P ranks this worker reads (vLLM's own ``handshake_target_ranks``)."""
+        topo = self.worker.transfer_topo
+        return [int(r) for r in topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)]
+
+    @staticmethod
+    def _judged_ranks(targets: list[int], remote_tp_size: int) -> list[int]:
+        """The P ranks D is judged against: the one it reads, or every rank of P when it reads
+        several (``diff`` judges an engine's ranks together)."""
+        return targets if len(targets) == 1 else list(range(remote_tp_size))
+
+    def _fetch(
+        self, remote: str, host: str, port: int, ranks: list[int], why: str
+    ) -> dict[int, Manifest]:
+        """P's manifests of ``ranks`` from its side channel now; ``ManifestError`` for a
+        payload without one or with a bad one, what the socket raises otherwise."""
+        from safeview.vllm._nixl import WIRE_KEY, fetch_payloads
+
+        payloads = fetch_payloads(host, port, ranks) if ranks else {}
+        return {
+            rank: from_wire(
+                payload.get(WIRE_KEY, b""), peer=f"P {remote} rank {rank} ({why})"
+            )  # a payload without one is not JSON: refused by name
+            for rank, payload in payloads.items()
         }
-        if report.compatible:
-            log.layout_checked(**fields, verdict="compatible")
-            return None
+
+    def judge_handshake_wire(
+        self, metadata: Any, wire: Any, remote_tp_rank: int, remote_tp_size: int,
+        remote_dcp_size: int,
+    ) -> Exception | None:  # fmt: skip
+        """The verdict on P from the manifest its handshake carried (``wire``, P rank
+        ``remote_tp_rank``'s), before vLLM prepares a descriptor of P's: the error to raise
+        under strict, if any. When D reads several P ranks, the others' manifests are read
+        from P's side channel at the first of them. One event per distinct P."""
+        remote = str(metadata.engine_id)
+        fields = self._fields(remote, remote_tp_size, "handshake")
+        reason = self._reason_not_judged(metadata, remote_dcp_size)
+        if reason is not None:
+            return self.judge_handshake(metadata, remote_tp_size, remote_dcp_size)
+        context = getattr(self.handshake, "context", None)
+        have: dict[int, Manifest] = {} if context is None else context["manifests"]
+        try:
+            have[remote_tp_rank] = from_wire(
+                wire, peer=f"P {remote} rank {remote_tp_rank} (handshake)"
+            )
+            judged = self._judged_ranks(
+                self._target_ranks(remote_tp_size, remote_dcp_size), remote_tp_size
+            )
+            # rank 0 too: a request's token names P's rank 0
+            wanted = sorted({*judged, 0} - set(have))
+            if wanted:
+                if context is None:
+                    raise LookupError("P's side channel is not known in this thread")
+                have.update(self._fetch(remote, context["host"], context["port"], wanted,
+                                        "handshake"))  # fmt: skip
+        except ManifestError as error:
+            judge_peer(self.manifest, None, against="handshake", fields=fields,
+                       reason=f"P's manifest cannot be judged: {error}",
+                       policy=self.policy)  # fmt: skip
+            return error if self.policy is Policy.STRICT else None
+        except Exception as error:  # P's other ranks unreadable: judged as without a manifest
+            note = f"P's other ranks' handshakes could not be read: {type(error).__name__}: {error}"
+            verdict = self.judge_handshake(metadata, remote_tp_size, remote_dcp_size)
+            log.integration("integration_unavailable", integration="vllm", reason=note,
+                            version=_vllm_version())  # fmt: skip
+            return verdict
+        senders = [have[rank] for rank in judged]
+        key = ("handshake", remote_tp_size, tuple((m.topology.tp_rank, m.fingerprint)
+                                                   for m in senders))  # fmt: skip
+        with self.lock:
+            known = self.verdicts.get(remote)
+            if known is not None and known[0] == key:
+                return known[1]
+            error = judge_peer(self.manifest, senders, against="handshake", fields=fields,
+                               rule="vllm_nixl", policy=self.policy)  # fmt: skip
+            self.verdicts[remote] = (key, error)
+            self.peers[remote] = _Peer(dict(have), judged, error)
+        return error
+
+    def check_request(self, request: str, token: Any, meta: Any) -> Exception | None:
+        """Before D issues the READ of ``request`` from P (``meta.remote``): the request's
+        ``token`` names a manifest of P's that D has judged, or it is judged now from P's
+        current handshake (P restarted behind the same engine id and address: vLLM 0.33 does
+        not handshake again). The error to fail the request with under strict, if any."""
+        remote = str(meta.remote.engine_id)
+        peer = self.peers.get(remote)
+        if peer is not None:
+            if token in peer.settled:  # the common case: one set lookup
+                return None
+            refused = peer.refused.get(token)
+            if refused is not None:
+                return refused
+        with self.lock:
+            return self._judge_request(request, token, meta, remote)
+
+    def _judge_request(self, request: str, token: Any, meta: Any, remote: str) -> Exception | None:
+        peer = self.peers.get(remote)
+        remote_tp_size = int(getattr(meta, "tp_size", 1))
+        fields = self._fields(remote, remote_tp_size, "request")
         strict = self.policy is Policy.STRICT
-        refused = strict and fields["when"] == "handshake"
-        log.layout_mismatch(report.findings[0], strict=strict, refused=refused, **fields)
-        return LayoutMismatchError(report) if refused else None
+        try:
+            parsed = parse_request_token(token, peer=f"P {remote} (request {request})")
+        except ManifestError as error:
+            judge_peer(self.manifest, None, against="request", fields=fields,
+                       reason=f"the request's layout token cannot be read: {error}",
+                       policy=self.policy)  # fmt: skip
+            return self._settle(remote, peer, token, error if strict else None)
+        known = None if peer is None else peer.manifests.get(parsed.tp_rank)
+        if known is not None and token_matches(parsed, known):
+            assert peer is not None
+            peer.settled.add(token)
+            return None
+        host, port = str(meta.remote.host), int(meta.remote.port)
+        before = (
+            f"the layout D judged at the handshake (fingerprint {known.fingerprint[:12]}...)"
+            if known is not None
+            else "no layout D has judged"
+        )
+        restart = (
+            f"P {remote} restarted behind the same engine id and address {host}:{port} "
+            "(vLLM 0.33 does not handshake again): the request's token "
+            f"{token} names {before}"
+        )
+        try:
+            judged = self._judged_ranks(
+                self._target_ranks(remote_tp_size, int(getattr(meta, "dcp_size", 1))),
+                remote_tp_size,
+            )
+            current = self._fetch(remote, host, port, sorted({*judged, parsed.tp_rank}),
+                                  f"current handshake, for request {request}")  # fmt: skip
+            now = current[parsed.tp_rank]
+            if not token_matches(parsed, now):
+                raise ManifestError(
+                    f"P {remote} rank {parsed.tp_rank}: request token", token,
+                    f"is not the manifest P's current handshake serves "
+                    f"(fingerprint {now.fingerprint[:12]}...)",
+                )  # fmt: skip
+        except Exception as error:
+            why = error if isinstance(error, ManifestError) else ManifestError(
+                f"P {remote}: current handshake at {host}:{port}", f"{type(error).__name__}",
+                f"cannot be read ({error})",
+            )  # fmt: skip
+            judge_peer(self.manifest, None, against="request", fields=fields,
+                       reason=f"{restart}; it cannot be judged: {why}",
+                       policy=self.policy)  # fmt: skip
+            return self._settle(remote, peer, token, why if strict else None)
+        senders = [current[rank] for rank in judged]
+        reason = (
+            f"{restart}; judged against P's current handshake manifest of rank "
+            f"{parsed.tp_rank} (fingerprint {now.fingerprint[:12]}...)"
+        )
+        error = judge_peer(self.manifest, senders, against="request", fields=fields,
+                           rule="vllm_nixl", policy=self.policy, reason=reason)  # fmt: skip
+        if error is not None:
+            error.add_note(reason)
+        self.peers[remote] = _Peer(current, judged, error)
+        return self._settle(remote, self.peers[remote], token, error)
+
+    def _settle(
+        self, remote: str, peer: _Peer | None, token: Any, error: Exception | None
+    ) -> Exception | None:
+        """Remember the verdict on ``token`` (one event per token, not one per request)."""
+        if peer is None:
+            peer = self.peers[remote] = _Peer({}, [])
+        if isinstance(token, str):
+            if error is None:
+                peer.settled.add(token)
+            else:
+                peer.refused[token] = error
+        return error
 
     def judge_startup(self) -> None:
         """Judge this worker against every other engine whose manifests the folder holds."""
@@ -589,12 +758,40 @@ class WorkerLayout:
             manifests = [m for _, m in sorted(found, key=lambda item: item[1].topology.tp_rank)]
             fields = self._fields(engine, manifests[0].topology.tp_size, "startup")
             try:
-                report = diff(manifests, self.manifest, rule="vllm_nixl")
+                diff(manifests, self.manifest, rule="vllm_nixl")
             except ManifestError:
                 continue  # an engine of another model shares the folder: not a peer of this one
             paths = [str(path) for path, _ in found]
-            self._verdict(report, {**fields, "against": "manifest", "manifests": paths,
-                                   "reason": None})  # fmt: skip
+            judge_peer(self.manifest, manifests, against="folder", rule="vllm_nixl",
+                       fields={**fields, "manifests": paths}, policy=self.policy)  # fmt: skip
+
+
+class _Peer:
+    """What D holds of one P engine: P's rank manifests it was judged against (from P's
+    handshake), the ranks judged, and the request tokens settled: passed, or refused with
+    their error."""
+
+    __slots__ = ("judged", "manifests", "refused", "settled")
+
+    def __init__(
+        self, manifests: dict[int, Manifest], judged: list[int], error: Exception | None = None
+    ) -> None:
+        self.manifests = manifests
+        self.judged = judged
+        tokens = {request_token(m) for m in manifests.values()}
+        self.settled: set[str] = set() if error is not None else tokens
+        self.refused: dict[str, Exception] = dict.fromkeys(tokens, error) if error else {}
+
+
+def token_of_payload(payload: Any) -> str | None:
+    """The request token of the manifest a worker's handshake payload carries (P's scheduler
+    reads rank 0's at start-up), or ``None`` when it carries none."""
+    from safeview.vllm._nixl import WIRE_KEY
+
+    wire = getattr(payload, WIRE_KEY, None)
+    if not isinstance(wire, bytes):
+        return None
+    return request_token(from_wire(wire, peer="this engine's rank 0"))
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -612,7 +809,10 @@ def _safe(engine: str) -> str:
 
 
 def _guard_handshake(layout: WorkerLayout) -> None:
-    """Wrap ``worker.add_remote_agent`` on the instance: judge P, then let vLLM go on."""
+    """Wrap ``worker.add_remote_agent`` on the instance: judge P, then let vLLM go on; and
+    ``worker._nixl_handshake``, to know P's side channel while its ranks are added."""
+    from safeview.vllm._nixl import take_decoded
+
     worker = layout.worker
     original = worker.add_remote_agent
     if getattr(original, _PATCHED, False):
@@ -627,9 +827,15 @@ def _guard_handshake(layout: WorkerLayout) -> None:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        refusal = None
+        refusal: Exception | None = None
         try:
-            refusal = layout.judge_handshake(nixl_agent_meta, remote_tp_size, remote_dcp_size)
+            wire = take_decoded()  # what P's payload carried, decoded by vLLM just now
+            if wire is None:  # P without safeview: its folder, or its NIXL metadata
+                refusal = layout.judge_handshake(nixl_agent_meta, remote_tp_size, remote_dcp_size)
+            else:
+                refusal = layout.judge_handshake_wire(
+                    nixl_agent_meta, wire, remote_tp_rank, remote_tp_size, remote_dcp_size
+                )
         except Exception as error:  # safeview's own failure: vLLM goes on unjudged
             _step_aside("P/D layouts left unjudged", error)
         if refusal is not None:
@@ -639,6 +845,60 @@ def _guard_handshake(layout: WorkerLayout) -> None:
 
     setattr(add_remote_agent, _PATCHED, True)
     worker.add_remote_agent = add_remote_agent
+
+    handshake = getattr(worker, "_nixl_handshake", None)
+    if handshake is None:
+        return
+
+    @functools.wraps(handshake)
+    def _nixl_handshake(host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        layout.handshake.context = {"host": host, "port": port, "manifests": {}}
+        try:
+            return handshake(host, port, *args, **kwargs)
+        finally:
+            layout.handshake.context = None
+
+    worker._nixl_handshake = _nixl_handshake
+
+
+def _guard_reads(layout: WorkerLayout) -> None:
+    """Wrap ``worker._read_blocks_for_req`` (vLLM 0.33's pull worker: where D issues the READs
+    of one request, once P's agent is loaded) on the instance: the request's token is checked
+    first; a refusal under strict fails that request as vLLM fails a KV load (its blocks
+    reported as failed, ``kv_load_failure_policy`` decides), and D goes on."""
+    from safeview.vllm._nixl import TOKEN_ATTRIBUTE
+
+    worker = layout.worker
+    original = getattr(worker, "_read_blocks_for_req", None)
+    if original is None or getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def _read_blocks_for_req(req_id: str, meta: Any, *args: Any, **kwargs: Any) -> Any:
+        token = getattr(meta, TOKEN_ATTRIBUTE, None)
+        remote = getattr(meta, "remote", None)
+        # before the handshake, vLLM only starts it: the check waits for P's agent
+        if token is None or remote is None or remote.engine_id not in worker._remote_agents:
+            return original(req_id, meta, *args, **kwargs)
+        refusal = None
+        try:
+            refusal = layout.check_request(req_id, token, meta)
+        except Exception as error:  # safeview's own failure: vLLM goes on unjudged
+            _step_aside("P/D request tokens left unchecked", error)
+        if refusal is None:
+            return original(req_id, meta, *args, **kwargs)
+        # what vLLM does for a request it will not read (an invalid remote engine)
+        with contextlib.suppress(Exception):
+            worker._log_failure(failure_type="layout_refused", req_id=req_id, error=refusal,
+                                meta=meta)  # fmt: skip
+        worker._handle_failed_transfer(
+            req_id, None, worker._recv_failures, record_failed_transfer=False
+        )
+        return None
+
+    setattr(_read_blocks_for_req, _PATCHED, True)
+    worker._read_blocks_for_req = _read_blocks_for_req
+    worker._safeview_layout = layout  # what judges this worker's peers, for a look from outside
 
 
 class Registered:
@@ -659,7 +919,9 @@ class Registered:
         if self.manifest is None:
             return contextlib.nullcontext()
         path = None if self.path is None else str(self.path)
-        return log.manifest_of_registration(self.manifest.fingerprint, path)
+        # a NIXL worker's manifest goes out in its handshake (``registered``), and to the folder
+        published = (["handshake"] if self.layouts else []) + (["folder"] if path else [])
+        return log.manifest_of_registration(self.manifest.fingerprint, path, published)
 
     def registered(self) -> None:
         """After the connector's own ``register_kv_caches`` succeeded: guard each NIXL worker's
@@ -667,6 +929,8 @@ class Registered:
         for layout in self.layouts:
             try:
                 _guard_handshake(layout)
+                _guard_reads(layout)
+                layout.serve()  # P's side: the manifest travels in its handshake
                 layout.judge_startup()
             except Exception as error:  # safeview's own failure: vLLM goes on unjudged
                 _step_aside("P/D layouts left unjudged", error)

@@ -11,13 +11,28 @@ lists, which are laid out otherwise, carry no intent. Imported by ``safeview.vll
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from safeview.policy import Policy
 from safeview.transfer.nixl import _install
 
-__all__ = ["check_worker_coverage", "guard_worker", "layers_to_transfer", "region_intent"]
+__all__ = [
+    "TOKEN_KEY",
+    "WIRE_KEY",
+    "check_worker_coverage",
+    "fetch_payloads",
+    "guard_scheduler",
+    "guard_worker",
+    "install_channels",
+    "layers_to_transfer",
+    "region_intent",
+    "serve_manifest",
+    "take_decoded",
+]
 
 
 def region_intent(worker: Any) -> Callable[[int], Sequence[str | None] | None]:
@@ -114,3 +129,192 @@ def check_worker_coverage(
         return
     found = uncovered(prepared, allocation, layers, padded)
     enforce(found, policy, "vllm.nixl")
+
+
+# -- the manifest on vLLM's own channels -------------------------------------------------------
+#
+# vLLM 0.33's NIXL connector already has two channels that cross machines (see docs/vllm.md,
+# "Across machines"):
+#
+# - the handshake: P's scheduler serves, per (pp_rank, tp_rank), ``msgspec.msgpack.encode`` of
+#   the worker's ``NixlHandshakePayload`` (a dataclass, so a msgpack map of its field names); D's
+#   worker decodes it with ``msgspec.msgpack.Decoder(NixlHandshakePayload)``, which ignores map
+#   keys it does not know. P's payload gets one more key, ``safeview_manifest`` (the rank's
+#   manifest in ``safeview.manifest.wire``'s form); a D without safeview never sees it, and with
+#   nothing to send the key is left out (``msgspec.UNSET``), so the bytes are vLLM's own.
+# - the request: P's scheduler-side ``request_finished`` returns ``kv_transfer_params``, which the
+#   proxy relays to D's scheduler, whose ``NixlConnectorMetadata.add_new_req_to_recv`` keeps only
+#   the keys vLLM knows in the ``ReqMeta`` its workers get. The token (``TOKEN_KEY``) is carried
+#   onto that ``ReqMeta`` as an attribute of its own (``TOKEN_ATTRIBUTE``).
+
+WIRE_KEY = "safeview_manifest"  # the extra key of P's handshake payload
+TOKEN_KEY = "safeview"  # the extra key of a request's kv_transfer_params
+TOKEN_ATTRIBUTE = "safeview_token"  # where D's ReqMeta keeps it
+_CHANNELS_PATCHED = "__safeview_channels__"
+_decoded = threading.local()  # the wire manifest of the payload this thread decoded last
+
+
+def _payload_class() -> type:
+    """A ``NixlHandshakePayload`` with one more field, ``safeview_manifest``: encoded only when
+    set, decoded from any msgpack value (a peer's junk there is safeview's to judge, never a
+    decoding error of vLLM's), and handed to the thread that decoded it (``take_decoded``),
+    which is the handshake thread that calls ``add_remote_agent`` right after."""
+    import dataclasses
+
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
+
+    @dataclasses.dataclass
+    class SafeviewHandshakePayload(NixlHandshakePayload):  # type: ignore[misc]
+        safeview_manifest: Any = msgspec.UNSET
+
+        def __post_init__(self) -> None:
+            _decoded.wire = self.safeview_manifest
+
+    SafeviewHandshakePayload.__module__ = __name__
+    SafeviewHandshakePayload.__qualname__ = "SafeviewHandshakePayload"
+    return SafeviewHandshakePayload
+
+
+_PAYLOAD: type | None = None
+
+
+def payload_class() -> type:
+    """The one ``SafeviewHandshakePayload`` class of this process (made on first use)."""
+    global _PAYLOAD
+    if _PAYLOAD is None:
+        _PAYLOAD = _payload_class()
+    return _PAYLOAD
+
+
+def __getattr__(name: str) -> Any:
+    # pickle finds the payload class by name (vLLM's executor pickles what workers return)
+    if name == "SafeviewHandshakePayload":
+        return payload_class()
+    raise AttributeError(name)
+
+
+def take_decoded() -> bytes | None:
+    """The ``safeview_manifest`` of the payload this thread decoded last, once; ``None`` when
+    the peer sent none. Anything but bytes is handed on as it came, for the judge to refuse."""
+    wire = getattr(_decoded, "wire", None)
+    _decoded.wire = None
+    import msgspec
+
+    return None if wire is None or wire is msgspec.UNSET else wire  # type: ignore[no-any-return]
+
+
+def install_channels() -> None:
+    """Once per process (the plugin's entry point): D's worker decodes P's payload with the
+    class above (vLLM's worker module looks its name up at each handshake), and D's scheduler
+    carries a request's token onto the ``ReqMeta`` its workers get."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, metadata
+
+    cls = metadata.NixlConnectorMetadata
+    add = cls.__dict__["add_new_req_to_recv"]
+    if getattr(add, _CHANNELS_PATCHED, False):
+        return
+    base_worker.NixlHandshakePayload = payload_class()  # type: ignore[attr-defined]
+
+    @functools.wraps(add)
+    def add_new_req_to_recv(
+        self: Any, request_id: Any, local_block_ids: Any, kv_transfer_params: Any,
+        *args: Any, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        added = add(self, request_id, local_block_ids, kv_transfer_params, *args, **kwargs)
+        token = kv_transfer_params.get(TOKEN_KEY) if isinstance(kv_transfer_params, dict) else None
+        if token is not None:
+            with contextlib.suppress(Exception):  # a ReqMeta of another vLLM: nothing carried
+                setattr(self.reqs_to_recv[request_id], TOKEN_ATTRIBUTE, token)
+        return added
+
+    setattr(add_new_req_to_recv, _CHANNELS_PATCHED, True)
+    setattr(cls, "add_new_req_to_recv", add_new_req_to_recv)  # noqa: B010
+
+
+def serve_manifest(worker: Any, wire: bytes) -> bool:
+    """Put ``wire`` into what ``worker`` serves at the handshake (its
+    ``xfer_handshake_metadata``, made by its ``register_kv_caches``); whether it could."""
+    payload = getattr(worker, "xfer_handshake_metadata", None)
+    if payload is None:
+        return False
+    cls = payload_class()
+    if not isinstance(payload, cls):
+        payload = cls(
+            compatibility_hash=payload.compatibility_hash,
+            agent_metadata_bytes=payload.agent_metadata_bytes,
+        )
+    payload.safeview_manifest = wire
+    worker.xfer_handshake_metadata = payload
+    return True
+
+
+def fetch_payloads(
+    host: str, port: int, ranks: Sequence[int], *, pp_rank: int = 0, timeout_ms: int = 5000
+) -> dict[int, dict[str, Any]]:
+    """P's current handshake payloads of ``ranks``, read from P's side channel as vLLM's own
+    handshake reads them (``GET_META_MSG``): each a dict of the payload's map. Raises what the
+    socket or decoder raises (the caller says the pair cannot be judged)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
+    from vllm.utils.network_utils import make_zmq_path
+
+    found: dict[int, dict[str, Any]] = {}
+    with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        for rank in ranks:
+            sock.send(msgspec.msgpack.encode((GET_META_MSG, pp_rank, rank)))
+            reply = sock.recv_multipart()
+            payload = msgspec.msgpack.decode(reply[0])
+            if not isinstance(payload, dict):
+                raise TypeError(f"P's payload of rank {rank} is a {type(payload).__name__}")
+            found[rank] = payload
+    return found
+
+
+def guard_scheduler(connector: Any, token_of: Callable[[Any], str | None]) -> None:
+    """On P's scheduler-side NIXL connector (vLLM 0.33: ``connector.connector_scheduler``): when
+    the engine core hands it the workers' handshake payloads (``set_xfer_handshake_metadata``,
+    at start-up, before any request), keep the token of rank 0's manifest (``token_of``); each
+    ``request_finished`` that sends blocks to a D adds it to ``kv_transfer_params``. The
+    scheduler learns it from the payloads, not from a worker's per-step metadata, which in the
+    step a prefill finishes reaches the scheduler only after ``request_finished``."""
+    parts = [connector, *getattr(connector, "_connectors", ())]
+    for part in parts:
+        scheduler = getattr(part, "connector_scheduler", None)
+        if scheduler is None or not hasattr(scheduler, "set_xfer_handshake_metadata"):
+            continue
+        if getattr(scheduler.request_finished, _CHANNELS_PATCHED, False):
+            continue
+        _guard_one_scheduler(scheduler, token_of)
+
+
+def _guard_one_scheduler(scheduler: Any, token_of: Callable[[Any], str | None]) -> None:
+    set_metadata = scheduler.set_xfer_handshake_metadata
+    finished = scheduler.request_finished
+    held: dict[str, str | None] = {"token": None}
+
+    @functools.wraps(set_metadata)
+    def set_xfer_handshake_metadata(metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            first = metadata.get((0, 0)) if isinstance(metadata, dict) else None
+            held["token"] = None if first is None else token_of(first)
+        except Exception:  # never in vLLM's way: no token, D judges from the handshake
+            held["token"] = None
+        return set_metadata(metadata, *args, **kwargs)
+
+    @functools.wraps(finished)
+    def request_finished(*args: Any, **kwargs: Any) -> Any:
+        result = finished(*args, **kwargs)
+        token = held["token"]
+        if token is not None and isinstance(result, tuple) and len(result) == 2:
+            params = result[1]
+            if isinstance(params, dict) and params.get("do_remote_prefill"):
+                params[TOKEN_KEY] = token
+        return result
+
+    setattr(request_finished, _CHANNELS_PATCHED, True)
+    scheduler.set_xfer_handshake_metadata = set_xfer_handshake_metadata
+    scheduler.request_finished = request_finished
