@@ -129,6 +129,13 @@ def across() -> Iterator[dict[str, Any]]:
         read(d_sv, "D1", E(), out["served"]["C"], "permuted_layer")
         read(d_sv, "D1", E(), out["served"]["R"], "R_before")
         read(d_sv, "Dw", E(), out["served"]["R"], "R_before_warn")
+        # a token that is not one, and one that names no layout of P's (a proxy that mangles
+        # it, or a forgery): that request fails under strict, before its READ, D goes on
+        params = out["served"]["A"]["kv_transfer_params"]
+        for tag, token in (("bad_token", "sv2:garbage"), ("forged_token", "sv1:0/1:" + "0" * 24)):
+            forged = {**out["served"]["A"], "kv_transfer_params": {**params, "safeview": token}}
+            read(d_sv, "D1", E(), forged, tag)
+        read(d_sv, "D1", E(), out["served"]["A"], "after_bad_tokens")
         # safeview on P only: a D without it reads as vLLM alone does
         read(d_plain, "Dplain", E(), out["served"]["A"], "p_only")
         out["check_cost"] = d_sv.call(
@@ -155,6 +162,9 @@ def across() -> Iterator[dict[str, Any]]:
         serve(p_other, "R", "R", E(), "permuted_layer", E())
         read(d_sv, "D1", E(), out["served"]["R"], "R_other")
         read(d_sv, "Dw", E(), out["served"]["R"], "R_other_warn")
+        dump = os.environ.get("ACROSS_DUMP")  # where to keep what happened, to read it later
+        if dump:
+            Path(dump).write_text(json.dumps(out, indent=1), encoding="utf-8")
         yield out
     finally:
         for child in children:
@@ -190,6 +200,24 @@ def test_p_handshake_carries_its_manifest_and_each_request_a_short_token(
     assert "safeview_manifest" not in plain["payload"]
     assert "safeview" not in plain["kv_transfer_params"]
     assert 0 < served["payload_bytes"] - plain["payload_bytes"] <= 4096
+
+
+def test_safeview_diff_reads_a_handshake_payload_saved_from_the_side_channel(
+    across: dict[str, Any],
+) -> None:
+    import subprocess
+    import sys
+
+    same, permuted = across["served"]["A"]["payload_file"], across["served"]["C"]["payload_file"]
+
+    def diff(sender: str, receiver: str) -> Any:
+        command = [sys.executable, "-m", "safeview", "diff", sender, receiver]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    assert diff(same, same).returncode == 0
+    refused = diff(permuted, same)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert LAYER_1 in refused.stdout + refused.stderr
 
 
 # -- valid pairs pass untouched ------------------------------------------------------------------
@@ -228,6 +256,28 @@ def test_a_layer_that_contradicts_its_layout_string_is_refused_from_the_handshak
         "refused",
         LAYER_1,
     )
+
+
+@pytest.mark.parametrize("tag", ["bad_token", "forged_token"])
+def test_under_strict_a_request_whose_token_cannot_be_judged_fails_before_its_read(
+    across: dict[str, Any], tag: str
+) -> None:
+    answer = across["reads"][tag]
+    [read] = answer["reads"]
+    assert (read["done"], read["failed"], read["untouched"]) == (True, True, True)
+    [event] = _layout_events(answer)
+    assert (event["event"], event["verdict"], event["against"], event["when"]) == (
+        "layout_checked",
+        "not_judged",
+        "request",
+        "request",
+    )
+    assert "request token" in event["reason"]
+    if tag == "forged_token":  # P did not change: the token is what is wrong, and it says so
+        assert "is no layout of P" in event["reason"]
+        assert "restarted" not in event["reason"]
+    # the same P, with its own token, is read as before: D went on
+    _arrived(across["reads"]["after_bad_tokens"])
 
 
 def test_the_per_request_check_costs_under_10_us_once_judged(across: dict[str, Any]) -> None:
@@ -292,6 +342,7 @@ def test_a_p_restarted_with_another_layout_fails_the_request_before_the_read_in_
     )
     assert event["layer"] == LAYER_1
     assert "restarted behind the same engine id and address" in event["reason"]
+    assert "is not the layout D judged at the handshake" in event["reason"]
     assert "judged against P's current handshake manifest" in event["reason"]
 
 

@@ -196,8 +196,10 @@ class _Serve:
             torch.save({k: v for k, v in side.kv_caches.items()}, path)
             caches.append(str(path))
         payload = scheduler.connector_scheduler._handshake_data[(0, 0)]
-        (self.child.folder / f"{name}.rank0.payload").write_bytes(payload)
+        saved = self.child.folder / f"{name}.rank0.payload"  # as an operator would save it
+        saved.write_bytes(payload)
         return {
+            "payload_file": str(saved),
             "kv_transfer_params": base._json_safe(params),
             "caches": caches,
             "payload": base._json_safe(_decoded_payload(payload)),

@@ -14,6 +14,9 @@ calls once per P rank with P's ``NixlAgentMetadata``, before it prepares a singl
 P's and long before any READ. That method is wrapped on the worker instance: D's manifest is
 diffed (rule ``vllm_nixl``) against P's, which is
 
+- P's own manifest, which P's handshake payload carries when P has the plugin (``WorkerLayout.
+  serve``; ``safeview.vllm._nixl``): the P ranks D reads (every rank of P when it reads
+  several: the others are read from P's side channel at the first); or
 - P's own derived manifests, when ``SAFEVIEW_MANIFEST_DIR`` holds them for P's engine id and
   its tensor-parallel size (both engines see one folder: one host, or a shared filesystem), and
   they agree with what P's metadata reports (block tokens, block count, layout name); or
@@ -21,10 +24,17 @@ diffed (rule ``vllm_nixl``) against P's, which is
   block count, block tokens and layout name, with D's dtype and head size (the compatibility
   hash vLLM checks first makes them equal), every P rank alike.
 
-The event says which (``against``: ``manifest`` or ``nixl_metadata``). Under strict a mismatch
-fails that handshake with ``LayoutMismatchError`` (a ``SafeViewError`` naming the layer and the
-byte): vLLM fails the requests waiting for that P, as it does for its own refusals, and the
-engine, its other requests and its other peers go on. Under warn a ``layout_mismatch`` event,
+The event says which (``against``: ``handshake``, ``folder`` or ``nixl_metadata``). Each request
+P's scheduler finishes names P's rank 0 layout with a token in its ``kv_transfer_params``; D's
+worker checks it before the READ (``check_request``: one set lookup once judged), and a token
+it has not judged (P restarted behind the same engine id and address, which vLLM 0.33 does not
+handshake again) is judged then from P's current handshake (``against``: ``request``); under
+strict a request that does not match or cannot be judged fails as vLLM fails a KV load.
+
+Under strict a mismatch at the handshake fails that handshake with ``LayoutMismatchError`` (a
+``SafeViewError`` naming the layer and the byte): vLLM fails the requests waiting for that P,
+as it does for its own refusals, and the engine, its other requests and its other peers go on.
+Under warn a ``layout_mismatch`` event,
 and vLLM goes on as it would. Off: nothing. A compatible pair gets one ``layout_checked`` event.
 
 At start-up, a D whose folder already holds other engines' manifests judges itself against each
@@ -624,13 +634,14 @@ class WorkerLayout:
                     raise LookupError("P's side channel is not known in this thread")
                 have.update(self._fetch(remote, context["host"], context["port"], wanted,
                                         "handshake"))  # fmt: skip
-        except ManifestError as error:
+        except ManifestError as bad:
             judge_peer(self.manifest, None, against="handshake", fields=fields,
-                       reason=f"P's manifest cannot be judged: {error}",
+                       reason=f"P's manifest cannot be judged: {bad}",
                        policy=self.policy)  # fmt: skip
-            return error if self.policy is Policy.STRICT else None
-        except Exception as error:  # P's other ranks unreadable: judged as without a manifest
-            note = f"P's other ranks' handshakes could not be read: {type(error).__name__}: {error}"
+            return bad if self.policy is Policy.STRICT else None
+        except Exception as failure:  # P's other ranks unreadable: judged as without a manifest
+            why = f"{type(failure).__name__}: {failure}"
+            note = f"P's other ranks' handshakes could not be read: {why}"
             verdict = self.judge_handshake(metadata, remote_tp_size, remote_dcp_size)
             log.integration("integration_unavailable", integration="vllm", reason=note,
                             version=_vllm_version())  # fmt: skip
@@ -642,11 +653,11 @@ class WorkerLayout:
             known = self.verdicts.get(remote)
             if known is not None and known[0] == key:
                 return known[1]
-            error = judge_peer(self.manifest, senders, against="handshake", fields=fields,
-                               rule="vllm_nixl", policy=self.policy)  # fmt: skip
-            self.verdicts[remote] = (key, error)
-            self.peers[remote] = _Peer(dict(have), judged, error)
-        return error
+            verdict = judge_peer(self.manifest, senders, against="handshake", fields=fields,
+                                 rule="vllm_nixl", policy=self.policy)  # fmt: skip
+            self.verdicts[remote] = (key, verdict)
+            self.peers[remote] = _Peer(dict(have), judged, verdict)
+        return verdict
 
     def check_request(self, request: str, token: Any, meta: Any) -> Exception | None:
         """Before D issues the READ of ``request`` from P (``meta.remote``): the request's
@@ -671,11 +682,11 @@ class WorkerLayout:
         strict = self.policy is Policy.STRICT
         try:
             parsed = parse_request_token(token, peer=f"P {remote} (request {request})")
-        except ManifestError as error:
+        except ManifestError as bad:
             judge_peer(self.manifest, None, against="request", fields=fields,
-                       reason=f"the request's layout token cannot be read: {error}",
+                       reason=f"the request's layout token cannot be read: {bad}",
                        policy=self.policy)  # fmt: skip
-            return self._settle(remote, peer, token, error if strict else None)
+            return self._settle(remote, peer, token, bad if strict else None)
         known = None if peer is None else peer.manifests.get(parsed.tp_rank)
         if known is not None and token_matches(parsed, known):
             assert peer is not None
@@ -685,13 +696,13 @@ class WorkerLayout:
         before = (
             f"the layout D judged at the handshake (fingerprint {known.fingerprint[:12]}...)"
             if known is not None
-            else "no layout D has judged"
+            else "a layout D has judged"
         )
         restart = (
             f"P {remote} restarted behind the same engine id and address {host}:{port} "
-            "(vLLM 0.33 does not handshake again): the request's token "
-            f"{token} names {before}"
+            f"(vLLM 0.33 does not handshake again): the request's token {token} is not {before}"
         )
+        now: Manifest | None = None
         try:
             judged = self._judged_ranks(
                 self._target_ranks(remote_tp_size, int(getattr(meta, "dcp_size", 1))),
@@ -706,26 +717,33 @@ class WorkerLayout:
                     f"is not the manifest P's current handshake serves "
                     f"(fingerprint {now.fingerprint[:12]}...)",
                 )  # fmt: skip
-        except Exception as error:
-            why = error if isinstance(error, ManifestError) else ManifestError(
-                f"P {remote}: current handshake at {host}:{port}", f"{type(error).__name__}",
-                f"cannot be read ({error})",
+        except Exception as failure:
+            why = failure if isinstance(failure, ManifestError) else ManifestError(
+                f"P {remote}: current handshake at {host}:{port}", f"{type(failure).__name__}",
+                f"cannot be read ({failure})",
             )  # fmt: skip
+            if known is not None and now is not None and now.fingerprint == known.fingerprint:
+                # P is the one D judged: the token is what is wrong, not P
+                said = (
+                    f"the request's token {token} is no layout of P {remote}: neither the "
+                    "one D judged at the handshake nor the one P's current handshake serves"
+                )
+            else:
+                said = f"{restart}; it cannot be judged"
             judge_peer(self.manifest, None, against="request", fields=fields,
-                       reason=f"{restart}; it cannot be judged: {why}",
-                       policy=self.policy)  # fmt: skip
+                       reason=f"{said}: {why}", policy=self.policy)  # fmt: skip
             return self._settle(remote, peer, token, why if strict else None)
         senders = [current[rank] for rank in judged]
         reason = (
             f"{restart}; judged against P's current handshake manifest of rank "
             f"{parsed.tp_rank} (fingerprint {now.fingerprint[:12]}...)"
         )
-        error = judge_peer(self.manifest, senders, against="request", fields=fields,
-                           rule="vllm_nixl", policy=self.policy, reason=reason)  # fmt: skip
-        if error is not None:
-            error.add_note(reason)
-        self.peers[remote] = _Peer(current, judged, error)
-        return self._settle(remote, self.peers[remote], token, error)
+        verdict = judge_peer(self.manifest, senders, against="request", fields=fields,
+                             rule="vllm_nixl", policy=self.policy, reason=reason)  # fmt: skip
+        if verdict is not None:  # the error says it too, where it is shown (Python 3.11+)
+            getattr(verdict, "add_note", lambda _: None)(reason)
+        self.peers[remote] = _Peer(current, judged, verdict)
+        return self._settle(remote, self.peers[remote], token, verdict)
 
     def _settle(
         self, remote: str, peer: _Peer | None, token: Any, error: Exception | None

@@ -6,7 +6,11 @@ The worker lists one region per layer (``region_names[i]`` is region ``i``'s lay
 sharing another's base address joins that region) and builds its local rows region by region
 (``_build_fa_local``), so a local list of ``k`` rows per region is ``k`` consecutive rows per
 layer. Rows of a packed region (whole blocks of every layer) and the Mamba and mixed-memory
-lists, which are laid out otherwise, carry no intent. Imported by ``safeview.vllm`` only.
+lists, which are laid out otherwise, carry no intent.
+
+It also carries the layout on the connector's own channels (see "the manifest on vLLM's own
+channels" below): P's manifest in its handshake payload, and a short token in each request's
+``kv_transfer_params``. Imported by ``safeview.vllm`` only.
 """
 
 from __future__ import annotations
@@ -201,7 +205,8 @@ def take_decoded() -> bytes | None:
     _decoded.wire = None
     import msgspec
 
-    return None if wire is None or wire is msgspec.UNSET else wire  # type: ignore[no-any-return]
+    found: Any = wire
+    return None if found is None or found is msgspec.UNSET else found
 
 
 def install_channels() -> None:
@@ -214,7 +219,7 @@ def install_channels() -> None:
     add = cls.__dict__["add_new_req_to_recv"]
     if getattr(add, _CHANNELS_PATCHED, False):
         return
-    base_worker.NixlHandshakePayload = payload_class()  # type: ignore[attr-defined]
+    base_worker.NixlHandshakePayload = payload_class()
 
     @functools.wraps(add)
     def add_new_req_to_recv(
@@ -235,7 +240,7 @@ def install_channels() -> None:
 def serve_manifest(worker: Any, wire: bytes) -> bool:
     """Put ``wire`` into what ``worker`` serves at the handshake (its
     ``xfer_handshake_metadata``, made by its ``register_kv_caches``); whether it could."""
-    payload = getattr(worker, "xfer_handshake_metadata", None)
+    payload: Any = getattr(worker, "xfer_handshake_metadata", None)
     if payload is None:
         return False
     cls = payload_class()
@@ -256,7 +261,7 @@ def fetch_payloads(
     handshake reads them (``GET_META_MSG``): each a dict of the payload's map. Raises what the
     socket or decoder raises (the caller says the pair cannot be judged)."""
     import msgspec
-    import zmq
+    import zmq  # type: ignore[import-not-found,unused-ignore]  # vLLM's dependency
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
     from vllm.utils.network_utils import make_zmq_path
