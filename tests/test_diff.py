@@ -195,10 +195,11 @@ def vllm_moves(
                 cache.index_copy_(0, indices, permuted)
 
 
-def nixl_case(
+def nixl_pair(
     p_tp: int, d_tp: int, heads: int, p_n: int, d_n: int, p_layout: str, d_layout: str, mla: bool
-) -> tuple[DiffReport, bool, dict[tuple[int, str], int]]:
-    """The oracle's verdict and first wrong bytes next to safeview's report."""
+) -> tuple[list[Manifest], list[Manifest], bool, dict[tuple[int, str], int]]:
+    """Both engines' manifests (derived before any byte moves), whether vLLM refuses the pair,
+    and, when it does not, the first wrong byte per (D rank, layer) after vLLM's own moves."""
     layers = 2
     d_blocks = 2
     p_blocks = d_blocks * max(1, d_n // p_n) + 1  # other block counts on each side
@@ -214,11 +215,10 @@ def nixl_case(
     ]
     senders = [manifest_of(c, p_tp, r, heads, p_layout, mla) for r, c in enumerate(prefill)]
     receivers = [manifest_of(c, d_tp, r, heads, d_layout, mla) for r, c in enumerate(decode)]
-    report = safeview.diff(senders, receivers, rule="vllm_nixl")
     p_len = prefill[0]["model.layers.0.attn"][0].numel() * 4
     d_len = decode[0]["model.layers.0.attn"][0].numel() * 4
     if vllm_refuses(p_tp, d_tp, p_n, d_n, heads, p_layout, d_layout, mla, p_len, d_len):
-        return report, False, {}
+        return senders, receivers, True, {}
     vllm_moves(prefill, decode, heads, p_n, d_n, d_layout, mla)
     wrong = {}
     for rank, caches in enumerate(decode):
@@ -226,7 +226,18 @@ def nixl_case(
             first = first_wrong_byte(cache, expected(cache, layer, rank, d_tp, heads, mla))
             if first is not None:
                 wrong[(rank, name)] = first
-    return report, not wrong, wrong
+    return senders, receivers, False, wrong
+
+
+def nixl_case(
+    p_tp: int, d_tp: int, heads: int, p_n: int, d_n: int, p_layout: str, d_layout: str, mla: bool
+) -> tuple[DiffReport, bool, dict[tuple[int, str], int]]:
+    """The oracle's verdict and first wrong bytes next to safeview's report."""
+    senders, receivers, refused, wrong = nixl_pair(
+        p_tp, d_tp, heads, p_n, d_n, p_layout, d_layout, mla
+    )
+    report = safeview.diff(senders, receivers, rule="vllm_nixl")
+    return report, not refused and not wrong, wrong
 
 
 def assert_agrees(report: DiffReport, ok: bool, wrong: dict[tuple[int, str], int]) -> None:

@@ -18,8 +18,8 @@ from test_diff import (  # type: ignore[import-not-found,unused-ignore]
     expected,
     first_wrong_byte,
     manifest_of,
+    nixl_pair,
     vllm_moves,
-    vllm_refuses,
 )
 
 from safeview.errors import LayoutMismatchError, ManifestError
@@ -45,31 +45,11 @@ def oracle_case(
 ) -> tuple[list[Manifest], list[Manifest], dict[int, bool], dict[tuple[int, str], int]]:
     """Both engines' manifests, whether each D rank reads every byte right (the oracle), and the
     first wrong byte per (D rank, layer)."""
-    layers, d_blocks = 2, 2
-    p_blocks = d_blocks * max(1, d_n // p_n) + 1
-    prefill = [
-        engine_rank(p_tp, r, heads, p_n, p_layout, p_blocks, mla, layers) for r in range(p_tp)
-    ]
-    decode = [
-        {
-            name: torch.zeros_like(t)
-            for name, t in engine_rank(d_tp, r, heads, d_n, d_layout, d_blocks, mla, layers).items()
-        }
-        for r in range(d_tp)
-    ]
-    senders = [manifest_of(c, p_tp, r, heads, p_layout, mla) for r, c in enumerate(prefill)]
-    receivers = [manifest_of(c, d_tp, r, heads, d_layout, mla) for r, c in enumerate(decode)]
-    p_len = prefill[0][LAYER][0].numel() * 4
-    d_len = decode[0][LAYER][0].numel() * 4
-    if vllm_refuses(p_tp, d_tp, p_n, d_n, heads, p_layout, d_layout, mla, p_len, d_len):
+    senders, receivers, refused, wrong = nixl_pair(
+        p_tp, d_tp, heads, p_n, d_n, p_layout, d_layout, mla
+    )
+    if refused:
         return senders, receivers, dict.fromkeys(range(d_tp), False), {}
-    vllm_moves(prefill, decode, heads, p_n, d_n, d_layout, mla)
-    wrong = {}
-    for rank, caches in enumerate(decode):
-        for layer, (name, cache) in enumerate(caches.items()):
-            first = first_wrong_byte(cache, expected(cache, layer, rank, d_tp, heads, mla))
-            if first is not None:
-                wrong[(rank, name)] = first
     right = {rank: not any(r == rank for r, _ in wrong) for rank in range(d_tp)}
     return senders, receivers, right, wrong
 
