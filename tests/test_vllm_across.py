@@ -48,6 +48,7 @@ P_ENGINES: dict[str, tuple[Any, str | None]] = {
     "B": (E(tp=2), None),
     "C": (E(), "permuted_layer"),  # layer 1 token-major behind the same shape and layout string
     "M": (E("LBNHC", tp=2, **MLA), None),
+    "H": (E(tp=4), None),  # one KV head per rank
     "R": (E(), None),  # the one restarted
 }
 #: D engines (in the D process with safeview), by name: engine and policy
@@ -56,6 +57,7 @@ D_ENGINES: dict[str, tuple[Any, str]] = {
     "D2": (E(tp=2), "strict"),
     "Dx2": (E(block_size=64), "strict"),  # D's blocks hold two of P's
     "DM": (E("LBNHC", tp=1, **MLA), "strict"),
+    "D8": (E(tp=8), "strict"),  # more ranks than KV heads: each head on two ranks
     "Dw": (E(), "warn"),
 }
 #: the valid pairs: (P engine, D engine)
@@ -65,6 +67,8 @@ VALID = {
     "tp2_to_tp1": ("B", "D1"),
     "blocks_x2": ("A", "Dx2"),
     "mla_tp2_to_tp1": ("M", "DM"),
+    # vllm#45330's class (H=8 TP8->16 there): more D ranks than KV heads, here H=4 TP4->8
+    "replicated_tp4_to_tp8": ("H", "D8"),
 }
 
 
@@ -119,7 +123,7 @@ def across() -> Iterator[dict[str, Any]]:
         answer = d_plain.call({"op": "start", "name": "Dplain", "engine": asdict(E())})
         assert answer["error"] is None, (answer["error"], d_plain.tail())
         # each P engine serves the blocks its D reads (D's blocks may hold several of P's)
-        readers = {"A": "D1", "B": "D1", "C": "D1", "M": "DM", "R": "D1"}
+        readers = {"A": "D1", "B": "D1", "C": "D1", "M": "DM", "H": "D8", "R": "D1"}
         for key, (engine, fault) in P_ENGINES.items():
             serve(p_sv, key, key, engine, fault, D_ENGINES[readers[key]][0])
         served_x2 = serve(p_sv, "Ax2", "Ax2", E(), None, D_ENGINES["Dx2"][0])
