@@ -78,11 +78,22 @@ def _blocks(p: Any, d: Any) -> list[int]:
 
 
 def _free_port() -> int:
+    """A free port below the kernel's ephemeral range: the side channels are bound minutes after
+    the ports are chosen, and a port the kernel handed out once (bind to 0) it may hand to
+    another socket (UCX's, torch's, another child's ZMQ) in between."""
+    import random
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="module")
