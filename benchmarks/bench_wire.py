@@ -13,7 +13,7 @@ heads of 128, 16 tokens, TP 2; derived on meta as the plugin derives it at regis
    the judged manifest (target: under 10 us).
 
 What (2) and (3) add to vLLM's own handshake is measured on vLLM's real NIXL connector by
-``benchmarks/bench_vllm_nixl.py``; here the wire alone. Each figure is a median over rounds.
+``benchmarks/bench_handshake.py``; here the wire alone. Each figure is a median over rounds.
 Run: python benchmarks/bench_wire.py [--rounds 31]
 """
 

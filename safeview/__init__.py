@@ -25,6 +25,7 @@ from safeview.errors import (
     BoundsError,
     ConfigError,
     CoverageError,
+    DigestMismatchError,
     FailureIgnoredError,
     LayoutMismatchError,
     ManifestError,
@@ -44,9 +45,10 @@ if TYPE_CHECKING:
     from safeview import kv, vllm
     from safeview.manifest import Manifest, describe
     from safeview.manifest.diff import diff
+    from safeview.manifest.digest import Digest, digest, verify
     from safeview.view import make_view
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "AddressError",
@@ -55,6 +57,8 @@ __all__ = [
     "BoundsError",
     "ConfigError",
     "CoverageError",
+    "Digest",
+    "DigestMismatchError",
     "FailureIgnoredError",
     "Finding",
     "Layout",
@@ -77,6 +81,7 @@ __all__ = [
     "current_policy",
     "describe",
     "diff",
+    "digest",
     "find_overlaps",
     "kv",
     "make_view",
@@ -84,6 +89,7 @@ __all__ = [
     "policy_scope",
     "reset_logging",
     "sanitize",
+    "verify",
     "vllm",
 ]
 
@@ -95,6 +101,9 @@ _LATER = {
     "describe": "safeview.manifest",
     "Manifest": "safeview.manifest",
     "diff": "safeview.manifest.diff",
+    "digest": "safeview.manifest.digest",
+    "Digest": "safeview.manifest.digest",
+    "verify": "safeview.manifest.digest",
 }
 
 

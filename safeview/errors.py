@@ -230,6 +230,23 @@ class LayoutMismatchError(SafeViewError):
         super().__init__(f"{getattr(first, 'message', 'layouts differ')}{tail}")
 
 
+class DigestMismatchError(SafeViewError):
+    """What a sender digested and what a receiver holds mean different things
+    (``safeview.verify``): ``findings`` (``digest`` and ``digest_unmatched`` findings), ``layer``
+    and ``heads`` those of the first, ``request`` the request they are about (or ``None``)."""
+
+    def __init__(self, findings: Any, request: str | None = None) -> None:
+        self.findings = tuple(findings)
+        self.request = request
+        first = self.findings[0] if self.findings else None
+        self.layer = getattr(first, "layer", None)
+        self.heads = tuple(getattr(first, "heads", ()))
+        more = len(self.findings) - 1
+        tail = f"; and {more} more finding{'s' if more != 1 else ''}" if more > 0 else ""
+        about = f"request {request}: " if request is not None else ""
+        super().__init__(f"{about}{getattr(first, 'message', 'digests differ')}{tail}")
+
+
 class UnprovenWriteError(SafeViewError):
     """``sanitize()`` cannot tell what an op would write into a storage that other tensors use
     (an ``out=`` tensor of an op that meta cannot run and that cannot be run once more on

@@ -28,8 +28,10 @@ Descriptors handed to a transfer engine (``safeview.transfer``) have kinds of th
 
 Two manifests compared by ``safeview.diff`` have the kinds ``byte`` (a byte a receiver reads as
 something else than what its sender wrote there), ``dtype``, ``missing_layer``, ``missing_rank``
-and ``refused`` (a pair the connector refuses); their constructors
-are the last below.
+and ``refused`` (a pair the connector refuses); two digests of one request's meaning
+(``safeview.verify``) have ``digest`` (a layer's heads the receiver holds otherwise than the sender
+digested them) and ``digest_unmatched`` (heads, or token counts, that no digest of the other side
+covers); their constructors are the last below.
 
 Every finding is built by one of the constructors below, which also write its sentence;
 errors (``safeview.errors``), events (``safeview.log``) and the command line all read the same
@@ -45,7 +47,15 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     from safeview.manifest.diff import Meaning
 
-__all__ = ["DESCRIPTOR_KINDS", "DIFF_KINDS", "KINDS", "Descriptor", "Finding", "Kind"]
+__all__ = [
+    "DESCRIPTOR_KINDS",
+    "DIFF_KINDS",
+    "DIGEST_KINDS",
+    "KINDS",
+    "Descriptor",
+    "Finding",
+    "Kind",
+]
 
 Kind = Literal[
     "out_of_bounds",
@@ -64,12 +74,16 @@ Kind = Literal[
     "missing_layer",
     "missing_rank",
     "refused",
+    "digest",
+    "digest_unmatched",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 DESCRIPTOR_KINDS: tuple[Kind, ...] = KINDS[4:11]
 """The kinds of ``safeview.transfer``: descriptors handed to a transfer engine."""
-DIFF_KINDS: tuple[Kind, ...] = KINDS[11:]
+DIFF_KINDS: tuple[Kind, ...] = KINDS[11:16]
 """The kinds of ``safeview.diff``: two manifests that read a layer's bytes differently."""
+DIGEST_KINDS: tuple[Kind, ...] = KINDS[16:]
+"""The kinds of ``safeview.verify``: two digests of one request's meaning that differ."""
 
 
 def _view(name: str | None, empty: bool = False) -> str:
@@ -150,6 +164,8 @@ class Finding:
     Diff findings (``safeview.diff``) fill ``layer``, ``byte`` (the receiver's page byte),
     ``block`` (under ``in_place``), ``receiver_rank``, ``sender_ranks`` and, for a byte read
     differently, ``receiver_reads`` and ``sender_wrote`` (``Meaning``: what it is to each side).
+    Digest findings (``safeview.verify``) fill ``layer``, ``heads`` (global KV heads; ``-1`` for
+    a layer without heads), ``receiver_rank`` and ``sender_ranks``.
     """
 
     kind: Kind
@@ -176,6 +192,7 @@ class Finding:
     sender_ranks: tuple[int, ...] = ()
     receiver_reads: Meaning | None = None
     sender_wrote: Meaning | None = None
+    heads: tuple[int, ...] = ()
 
     @property
     def check(self) -> Literal["storage", "region"] | None:
@@ -198,6 +215,15 @@ class Finding:
         """The finding as a JSON object: ``kind``, ``views``, ``storage``, ``message`` and the
         numbers that apply to its kind (a diff finding: the object ``safeview diff --json``
         prints for it)."""
+        if self.kind in DIGEST_KINDS:
+            return {
+                "kind": self.kind,
+                "layer": self.layer,
+                "heads": list(self.heads),
+                "receiver_rank": self.receiver_rank,
+                "sender_ranks": list(self.sender_ranks),
+                "message": self.message,
+            }
         if self.kind in DIFF_KINDS:
             reads, wrote = self.receiver_reads, self.sender_wrote
             return {
@@ -840,6 +866,37 @@ class Finding:
             f"{layer}: {connector} refuses this pair: {reason}{where}",
             receiver_rank=receiver_rank,
         )
+
+    # -- two digests of one request's meaning differ (``safeview.verify``) -----------------------
+
+    @classmethod
+    def digest_mismatch(
+        cls,
+        layer: str,
+        *,
+        heads: tuple[int, ...],
+        message: str,
+        receiver_rank: int | None = None,
+        sender_ranks: tuple[int, ...] = (),
+    ) -> Finding:
+        """``layer``'s ``heads`` (global; ``-1``: a layer without heads) hold other values on
+        the receiver than the sender digested."""
+        return cls._of_layer(
+            "digest",
+            layer,
+            message,
+            heads=heads,
+            receiver_rank=receiver_rank,
+            sender_ranks=sender_ranks,
+        )
+
+    @classmethod
+    def digest_unmatched(
+        cls, layer: str | None, *, heads: tuple[int, ...], message: str
+    ) -> Finding:
+        """The receiver's ``heads`` of ``layer`` are in no digest of the sender (``layer``
+        None: the two sides digested different numbers of positions)."""
+        return cls._of_layer("digest_unmatched", layer, message, heads=heads)
 
 
 def _json_group(group: Hashable | None) -> str | int | None:

@@ -530,6 +530,54 @@ def integration(
     )
 
 
+_DIGEST_KEYS = (
+    "engine", "tp_rank", "tp_size", "remote_engine", "remote_tp_size", "request", "policy",
+    "num_tokens", "layers", "heads", "reason",
+)  # fmt: skip
+
+
+def _digest_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """A digest event's fields in table order; a missing or unknown one is safeview's own bug,
+    a ``TypeError`` naming it."""
+    if set(fields) != set(_DIGEST_KEYS):
+        wrong = sorted(set(fields) ^ set(_DIGEST_KEYS))
+        raise TypeError(f"a digest event's fields are not {_DIGEST_KEYS}: {wrong}")
+    return {key: fields[key] for key in _DIGEST_KEYS}
+
+
+def digest_checked(*, verdict: Literal["agree", "not_judged"], **fields: Any) -> None:
+    """``digest_checked`` (INFO for ``agree``, WARNING for ``not_judged``): what a receiver holds
+    of a request was compared with what its sender digested (``safeview.manifest.digest.judge``:
+    the vLLM plugin's decode worker after a READ), and found to mean the same, or could not be
+    compared (``reason``). ``fields``: ``_DIGEST_KEYS``."""
+    level = logging.INFO if verdict == "agree" else logging.WARNING
+    if stdlib_logger.isEnabledFor(level):
+        _emit(level, {"event": "digest_checked", **_digest_fields(fields), "verdict": verdict})
+
+
+def digest_mismatch(finding: Any, *, strict: bool, findings: int, **fields: Any) -> None:
+    """``digest_mismatch`` (ERROR under strict, WARNING under warn): a receiver holds a request's
+    bytes otherwise than its sender digested them; ``finding`` is the first of ``verify``'s."""
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    _emit(
+        level,
+        {
+            "event": "digest_mismatch",
+            **_digest_fields(fields),
+            "verdict": "mismatch",
+            "findings": findings,
+            "kind": finding.kind,
+            "layer": finding.layer,
+            "layer_heads": list(finding.heads),
+            "remote_tp_ranks": list(finding.sender_ranks),
+            "message": finding.message,
+            "action": "refused" if strict else "none",
+        },
+    )
+
+
 def internal_error(*, where: str, error: BaseException) -> None:
     """``internal_error`` (WARNING): safeview itself failed where it must not stop its host (the
     sanitizer, a plugin); the host's operation went on unchecked."""

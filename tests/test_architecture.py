@@ -32,11 +32,13 @@ MAY_IMPORT = {
     "vllm": {"kv", "manifest", "transfer", "guard"},  # vLLM's names, rules and plugin
     "package": {"manifest", "transfer", "guard", "kv", "cli", "vllm"},  # safeview/__init__.py
 }
-# The torch boundary: storages, geometry and views (the core's), the dispatch-level guard, the
+# The torch boundary: storages, geometry and views (the core's), the digest's arithmetic on pages
+# (``manifest._digest_torch``), the dispatch-level guard, the
 # process guard's entry points and kernels, and its memory map (which asks torch's CUDA
 # allocator where its blocks end). Everything else works on integers.
 TORCH_BOUNDARY = {
     "_torch", "guard._torch_dispatch", "guard._entry_guard", "guard._aten_guard", "guard._memory",
+    "manifest._digest_torch",
 }  # fmt: skip
 # Started from outside the package (the interpreter's start-up hook, a console script,
 # ``python -m``): they import the package from above, so an edge back to them is no circle.

@@ -208,7 +208,18 @@ def _emitted(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
             with safeview.sanitize():
                 torch.as_strided(meta, (2, 2), (2, 1))
         _process_guard(kv)  # started, a raw view past the end under warn, stopped
+        _digests_compared()  # agree, not judged, and a mismatch under warn
     return events
+
+
+def _digests_compared() -> None:
+    from safeview.manifest.digest import Digest, judge, not_judged
+
+    pair = {"engine": "D", "tp_rank": 0, "tp_size": 1, "remote_engine": "P", "remote_tp_size": 1}
+    sent = Digest(16, {"layers.0": {0: 1, 1: 2}})
+    judge(sent, sent, policy="warn", request="r1", **pair)
+    judge(sent, Digest(16, {"layers.0": {0: 1, 1: 3}}), policy="warn", request="r2", **pair)
+    not_judged("P's digests did not come", policy="warn", request="r3", **pair)
 
 
 def _process_guard(kv: torch.Tensor) -> None:
@@ -247,6 +258,8 @@ def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.Mon
         "registration_checked",
         "layout_checked",
         "layout_mismatch",
+        "digest_checked",
+        "digest_mismatch",
         "integration_installed",
         "integration_unavailable",
         "internal_error",
@@ -255,6 +268,7 @@ def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.Mon
     }
     # bounds_violation has "the keys of view_created" plus its own
     documented["bounds_violation"] |= documented["view_created"]
+    documented["digest_mismatch"] |= documented["digest_checked"]
     events = _emitted(monkeypatch)
     assert {event["event"] for event in events} == set(documented) - NEEDS_VLLM
     for event in events:

@@ -39,6 +39,7 @@ import vllm_across_harness as harness  # type: ignore[import-not-found,unused-ig
 
 E = harness.Engine
 MLA: dict[str, Any] = {"model": "deepseek_v2", "block_size": 16}  # vLLM's CPU MLA: 16 tokens
+H8: dict[str, Any] = {"model": "llama8", "layer_heads": (8, 8, 8)}  # a Llama of 8 KV heads
 LAYER_1 = "model.layers.1.self_attn.attn"
 BLOCKS = [1, 2, 3]
 
@@ -49,6 +50,7 @@ P_ENGINES: dict[str, tuple[Any, str | None]] = {
     "C": (E(), "permuted_layer"),  # layer 1 token-major behind the same shape and layout string
     "M": (E("LBNHC", tp=2, **MLA), None),
     "H": (E(tp=4), None),  # one KV head per rank
+    "H8": (E(tp=8, **H8), None),  # one of 8 KV heads per rank
     "R": (E(), None),  # the one restarted
 }
 #: D engines (in the D process with safeview), by name: engine and policy
@@ -58,6 +60,7 @@ D_ENGINES: dict[str, tuple[Any, str]] = {
     "Dx2": (E(block_size=64), "strict"),  # D's blocks hold two of P's
     "DM": (E("LBNHC", tp=1, **MLA), "strict"),
     "D8": (E(tp=8), "strict"),  # more ranks than KV heads: each head on two ranks
+    "D16": (E(tp=16, **H8), "strict"),  # the same with 8 KV heads
     "Dw": (E(), "warn"),
 }
 #: the valid pairs: (P engine, D engine)
@@ -67,33 +70,20 @@ VALID = {
     "tp2_to_tp1": ("B", "D1"),
     "blocks_x2": ("A", "Dx2"),
     "mla_tp2_to_tp1": ("M", "DM"),
-    # vllm#45330's class (H=8 TP8->16 there): more D ranks than KV heads, here H=4 TP4->8
+    # vllm#45330's class: more D ranks than KV heads, each head on two D ranks; its own case
+    # (H=8 TP8->16) and the same with 4 heads
+    "replicated_h8_tp8_to_tp16": ("H8", "D16"),
     "replicated_tp4_to_tp8": ("H", "D8"),
 }
+#: the pair read first and alone, its 24 ranks stopped right after: a NIXL agent's UCX threads
+#: poll even when idle (about a core per process on CPU), and 24 more agents kept for the whole
+#: module would slow every later step on a small machine
+ALONE = "replicated_h8_tp8_to_tp16"
 
 
 def _blocks(p: Any, d: Any) -> list[int]:
     ratio = max(1, d.block_size // p.block_size)
     return BLOCKS if ratio == 1 else list(range(1, 1 + len(BLOCKS) * ratio))
-
-
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range: the side channels are bound minutes after
-    the ports are chosen, and a port the kernel handed out once (bind to 0) it may hand to
-    another socket (UCX's, torch's, another child's ZMQ) in between."""
-    import random
-    import socket
-
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(1000):
-        port = random.randrange(max(1024, low - 12_000), low)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +96,7 @@ def across() -> Iterator[dict[str, Any]]:
     p_same, p_other = harness.Child("P", models), harness.Child("P", models)
     children = [p_sv, p_plain, d_sv, d_plain, p_same, p_other]
     out: dict[str, Any] = {"served": {}, "started": {}, "reads": {}}
-    ports = {name: _free_port() for name in [*P_ENGINES, "Ax2"]}
+    ports = {name: harness.free_port() for name in [*P_ENGINES, "Ax2"]}
 
     def serve(child: Any, key: str, name: str, engine: Any, fault: str | None, d: Any) -> Any:
         answer = child.call(
@@ -126,19 +116,37 @@ def across() -> Iterator[dict[str, Any]]:
         out["reads"][tag] = answer
         return answer
 
+    def start(name: str) -> None:
+        engine, policy = D_ENGINES[name]
+        answer = d_sv.call({"op": "start", "name": name, "engine": asdict(engine),
+                            "policy": policy})  # fmt: skip
+        assert answer["error"] is None, (answer["error"], d_sv.tail())
+
+    def stop(child: Any, name: str) -> None:
+        answer = child.call({"op": "stop", "name": name})
+        assert answer["error"] is None, (answer["error"], child.tail())
+
     try:
-        for name, (engine, policy) in D_ENGINES.items():
-            answer = d_sv.call({"op": "start", "name": name, "engine": asdict(engine),
-                                "policy": policy})  # fmt: skip
-            assert answer["error"] is None, (answer["error"], d_sv.tail())
+        alone_p, alone_d = VALID[ALONE]
+        serve(p_sv, alone_p, alone_p, P_ENGINES[alone_p][0], None, D_ENGINES[alone_d][0])
+        start(alone_d)
+        read(d_sv, alone_d, P_ENGINES[alone_p][0], out["served"][alone_p], ALONE)
+        stop(d_sv, alone_d)
+        stop(p_sv, alone_p)
+        for name in D_ENGINES:
+            if name != alone_d:
+                start(name)
         answer = d_plain.call({"op": "start", "name": "Dplain", "engine": asdict(E())})
         assert answer["error"] is None, (answer["error"], d_plain.tail())
         # each P engine serves the blocks its D reads (D's blocks may hold several of P's)
         readers = {"A": "D1", "B": "D1", "C": "D1", "M": "DM", "H": "D8", "R": "D1"}
         for key, (engine, fault) in P_ENGINES.items():
-            serve(p_sv, key, key, engine, fault, D_ENGINES[readers[key]][0])
+            if key != alone_p:
+                serve(p_sv, key, key, engine, fault, D_ENGINES[readers[key]][0])
         served_x2 = serve(p_sv, "Ax2", "Ax2", E(), None, D_ENGINES["Dx2"][0])
         for name, (p, d) in VALID.items():
+            if name == ALONE:
+                continue
             source = served_x2 if name == "blocks_x2" else out["served"][p]
             read(d_sv, d, P_ENGINES[p][0], source, name)
         read(d_sv, "D1", E(), out["served"]["C"], "permuted_layer")
@@ -158,7 +166,7 @@ def across() -> Iterator[dict[str, Any]]:
              "kv_transfer_params": out["served"]["A"]["kv_transfer_params"]}
         )  # fmt: skip
         # safeview on D only: a P without it
-        ports["plain_p"] = _free_port()
+        ports["plain_p"] = harness.free_port()
         answer = p_plain.call(
             {"op": "serve", "name": "plain", "engine": asdict(E()), "port": ports["plain_p"],
              "remote_blocks": BLOCKS, "seed": 99}

@@ -21,6 +21,7 @@ P's commands:
   a request that asked for a remote decode) and answer its ``kv_transfer_params``, the raw
   handshake payload of rank 0 as P's side channel serves it, and the files holding each rank's
   caches (for D's oracle);
+- ``stop``: shut an engine's workers and scheduler down and drop them (see ``_stop``);
 - ``exit``: leave at once (``os._exit``: as a crashed or restarted P would).
 
 D's commands:
@@ -31,6 +32,7 @@ D's commands:
   with a request's params) into D's ``LOCAL_BLOCKS`` (zeroed first), let vLLM do the handshake
   and the READ, and answer per rank whether the request finished or failed, the oracle, and
   whether D's blocks stayed untouched; with the events safeview emitted meanwhile;
+- ``stop``: as P's;
 - ``exit``.
 
 Importing this module imports neither vLLM nor NIXL.
@@ -143,10 +145,37 @@ class Child:
         self.log.close()
 
 
+#: a Llama of 8 KV heads (vllm#45330's class, H=8 TP8->16): vLLM's NIXL worker tells sharded
+#: from replicated heads by the model config's total, so the config must say 8 (engines of it
+#: name each layer's heads: ``Engine(model="llama8", layer_heads=(8, 8, 8))``)
+LLAMA_8 = {**base._LLAMA, "num_attention_heads": 8, "num_key_value_heads": 8}
+
+
+def free_port() -> int:
+    """A free port below the kernel's ephemeral range: the side channels are bound minutes after
+    the ports are chosen, and a port the kernel handed out once (bind to 0) it may hand to
+    another socket (UCX's, torch's, another child's ZMQ) in between."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def write_models(folder: Path) -> Path:
-    """The models' ``config.json`` files (``vllm_nixl_harness``'s), in ``folder``, for both
-    sides: the one place P and D share, as two machines share a model's name."""
-    for name, config in (("llama", base._LLAMA), ("deepseek_v2", base._DEEPSEEK_V2)):
+    """The models' ``config.json`` files (``vllm_nixl_harness``'s, and ``LLAMA_8``), in
+    ``folder``, for both sides: the one place P and D share, as two machines share a model's
+    name."""
+    models = (("llama", base._LLAMA), ("llama8", LLAMA_8), ("deepseek_v2", base._DEEPSEEK_V2))
+    for name, config in models:
         (folder / name).mkdir(parents=True, exist_ok=True)
         (folder / name / "config.json").write_text(json.dumps(config), encoding="utf-8")
     return folder
@@ -189,6 +218,7 @@ class _Serve:
             blocks = [int(b) for b in command["remote_blocks"]]
             request = _FinishedRequest(f"{name}-request", len(blocks) * engine.block_size)
             _, params = scheduler.request_finished(request, blocks)
+            digests = _p_step(sides, scheduler) if params.get("safeview_digest") else {}
         self.engines[name] = (sides, scheduler)
         caches = []
         for rank, side in enumerate(sides):
@@ -205,7 +235,45 @@ class _Serve:
             "payload": base._json_safe(_decoded_payload(payload)),
             "payload_bytes": len(payload),
             "errors": errors,
+            "digests": digests,
         }
+
+    def finish(self, command: dict[str, Any]) -> dict[str, Any]:
+        """``count`` more requests finished on a served engine (``request_finished`` over
+        ``remote_blocks``, then P's next engine step, as vLLM runs them): each one's
+        ``kv_transfer_params``, and P's seconds for the two, per request."""
+        sides, scheduler = self.engines[command["name"]]
+        engine = _engine(command["engine"])
+        blocks = [int(b) for b in command["remote_blocks"]]
+        found, seconds = [], []
+        for at in range(int(command["count"])):
+            request = _FinishedRequest(
+                f"{command['name']}-{command.get('prefix', 'more')}-{at}",
+                len(blocks) * engine.block_size,
+            )
+            started = time.perf_counter()
+            _, params = scheduler.request_finished(request, blocks)
+            _p_step(sides, scheduler)
+            seconds.append(time.perf_counter() - started)
+            found.append(base._json_safe(params))
+        return {"kv_transfer_params": found, "seconds": seconds}
+
+    def flip(self, command: dict[str, Any]) -> dict[str, Any]:
+        """One byte of one P rank's page changed (its bits inverted): in ``block`` of
+        ``layer``, head ``head``, token ``token``, byte ``byte`` of the K|V row; after P's
+        digest, before any READ."""
+        import torch
+
+        sides, _ = self.engines[command["name"]]
+        cache = sides[int(command["rank"])].kv_caches[command["layer"]]  # [B, H, N, K|V]
+        row = cache[int(command["block"]), int(command["head"]), int(command["token"])]
+        row.view(torch.uint8)[int(command["byte"])] ^= 0xFF
+        return {}
+
+    def stop(self, command: dict[str, Any]) -> dict[str, Any]:
+        sides, scheduler = self.engines.pop(command["name"])
+        scheduler.shutdown()  # its side channel's listener thread
+        return _stop(sides)
 
     def _scheduler(self, sides: list[Any], port: int, tp: int) -> Any:
         from vllm.config import set_current_vllm_config
@@ -285,18 +353,25 @@ class _Read:
         p_engine = _engine(command["p"])
         params = command["kv_transfer_params"]
         p_sides = [_Loaded(torch.load(path, weights_only=True)) for path in command["caches"]]
-        remote_blocks = list(params["remote_block_ids"][0])
+        # what the oracle expects D to hold: P's blocks of the request (a test that relays
+        # other block ids, as a proxy bug would, says which were meant)
+        remote_blocks = list(command.get("oracle_blocks") or params["remote_block_ids"][0])
         errors.clear()
         reads = []
         for rank, d in enumerate(sides):
             for cache in d.kv_caches.values():
                 cache[list(LOCAL_BLOCKS)] = 0  # a second read starts from zero too
-            outcome = _request(d, f"{command['tag']}-{rank}", params)
+            with _fault_after_read(d, command.get("fault")):
+                outcome = _request(d, f"{command['tag']}-{rank}", params)
             outcome["oracle"] = layout._oracle(p_engine, engine, p_sides, d, rank, remote_blocks,
                                                LOCAL_BLOCKS)  # fmt: skip
             outcome["untouched"] = layout._untouched(d, LOCAL_BLOCKS)
             reads.append(outcome)
         return {"reads": reads, "handshake_errors": list(errors)}
+
+    def stop(self, command: dict[str, Any]) -> dict[str, Any]:
+        _, sides, _ = self.engines.pop(command["name"])
+        return _stop(sides)
 
     def check_cost(self, command: dict[str, Any]) -> dict[str, Any]:
         """Seconds per call of safeview's per-request check on D's rank 0, for a request whose
@@ -321,11 +396,91 @@ class _Read:
         }
 
 
+def _stop(sides: list[Any]) -> dict[str, Any]:
+    """Shut ``sides``' connectors down and collect them at once: a NIXL agent's UCX threads poll
+    even when idle (on CPU about two thirds of a core per process), and an agent sits in
+    reference cycles, so one left for the collector keeps its threads; a large engine kept
+    would slow every later step of the process. The threads the process has left, after."""
+    import gc
+
+    while sides:
+        side = sides.pop()
+        with contextlib.suppress(Exception):
+            side.connector.shutdown()
+        del side
+    gc.collect()
+    return {"threads": len(os.listdir("/proc/self/task"))}
+
+
+def _p_step(sides: list[Any], scheduler: Any) -> dict[str, Any]:
+    """P's engine step after a request finished, as vLLM's engine core runs it: the
+    scheduler's metadata (``build_connector_meta``) to every rank (``bind_connector_metadata``,
+    ``start_load_kv``), each rank's worker metadata (``build_connector_worker_meta``),
+    aggregated over the ranks as vLLM's executor aggregates it, to the scheduler
+    (``update_connector_output``). With safeview's digests on, P's ranks digest the request
+    here, and the scheduler keeps what they made. What it keeps, by request: the ranks."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.outputs import KVConnectorOutput
+
+    with set_current_vllm_config(sides[0].config):
+        metadata = scheduler.build_connector_meta(SimpleNamespace())
+        made = None
+        for side in sides:
+            side.connector.bind_connector_metadata(metadata)
+            side.connector.start_load_kv(None)
+            mine = side.connector.build_connector_worker_meta()
+            side.connector.clear_connector_metadata()
+            if mine is not None:
+                made = mine if made is None else made.aggregate(mine)
+        scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=made))
+    kept = getattr(scheduler.connector_scheduler, "_safeview_digests", None)
+    return {} if kept is None else {k: sorted(v) for k, v in kept.digests.items()}
+
+
 class _Loaded:
     """P's caches as D's oracle reads them (``kv_caches`` by layer name)."""
 
     def __init__(self, kv_caches: dict[str, Any]) -> None:
         self.kv_caches = kv_caches
+
+
+@contextlib.contextmanager
+def _fault_after_read(d: Any, fault: Mapping[str, Any] | None) -> Any:
+    """A fault in D's pages once NIXL reports the READ done and before vLLM's worker hands the
+    request on (its ``_pop_done_transfers``, inside ``get_transfer_results``): ``unwritten``,
+    one layer's blocks of the request back to zero, as if the READ never wrote that layer;
+    ``overwritten``, one block of one layer filled with other bytes, as a writer of D's own
+    would after the READ and before decode."""
+    import torch
+
+    worker = d.worker
+    original = worker._pop_done_transfers
+    if not fault:
+        yield
+        return
+    generator = torch.Generator().manual_seed(7)
+    layer = str(fault["layer"])
+
+    def pop_done(transfers: Any) -> Any:
+        done, failed = original(transfers)
+        if done:
+            cache = d.kv_caches[layer]
+            if fault["kind"] == "unwritten":
+                cache[list(LOCAL_BLOCKS)] = 0
+            else:
+                block = cache[LOCAL_BLOCKS[int(fault.get("block", 0))]]
+                noise = torch.randint(0, 256, (block.numel() * block.element_size(),),
+                                      generator=generator, dtype=torch.uint8)  # fmt: skip
+                block.copy_(noise.view(block.dtype).view(block.shape))
+        return done, failed
+
+    worker._pop_done_transfers = pop_done
+    try:
+        yield
+    finally:
+        worker._pop_done_transfers = original
 
 
 def _request(d: Any, request_id: str, params: dict[str, Any], timeout_s: float = 60) -> Any:
@@ -364,7 +519,7 @@ def _main(role: str) -> None:
     # one model, as two machines serving it name it alike: vLLM's compatibility hash holds the
     # model's name (here the folder of its config.json), so both sides use the test's folder
     models = Path(os.environ["ACROSS_MODELS_DIR"])
-    child.models = {name: models / name for name in child.models}
+    child.models = {path.name: path for path in models.iterdir() if path.is_dir()}
     side = _Serve(child) if role == "P" else _Read(child)
     for line in sys.stdin:
         command = json.loads(line)
@@ -391,4 +546,4 @@ if __name__ == "__main__":
     _main(sys.argv[1])
 
 
-__all__ = ["LOCAL_BLOCKS", "RESULT_PREFIX", "Child", "Engine", "asdict"]
+__all__ = ["LOCAL_BLOCKS", "RESULT_PREFIX", "Child", "Engine", "asdict", "free_port"]

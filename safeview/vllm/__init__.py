@@ -297,10 +297,45 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
         with _guard_nixl_agents(connector, kv_caches, config, active), guard:
             registered = original(kv_caches, *args, **kwargs)
         layout.registered()  # judge each P/D pair when D meets P (never raises)
+        _digests_on_workers(connector, layout.layouts)
         return registered
 
     setattr(register_kv_caches, _PATCHED, True)
     connector.register_kv_caches = register_kv_caches
+
+
+def _digests_on_workers(connector: Any, layouts: list[Any]) -> None:
+    """With ``SAFEVIEW_DIGEST`` on: each NIXL worker digests what P sends and what D receives
+    (``safeview.vllm._digest``). Never raises."""
+    sampling = _digest_sampling()
+    if sampling.mode == "off" or not layouts:
+        return
+    try:
+        from safeview.vllm._digest import guard_digest_worker
+
+        parts = [connector, *getattr(connector, "_connectors", ())]
+        for layout in layouts:
+            owner = next(p for p in parts if getattr(p, "connector_worker", None) is layout.worker)
+            guard_digest_worker(owner, layout.worker, _manifest_of(layout), layout.policy)
+    except Exception as error:  # safeview's own failure, or a vLLM it does not know
+        _step_aside("request digests left off", f"{type(error).__name__}: {error}")
+
+
+def _manifest_of(layout: Any) -> Any:
+    """A worker's manifest, built from what its registration derived when first asked."""
+    return lambda: layout.manifest
+
+
+_SAMPLING: list[Any] = []
+
+
+def _digest_sampling() -> Any:
+    """``SAFEVIEW_DIGEST``, read once per process (a bad value: one warning, digests off)."""
+    if not _SAMPLING:
+        from safeview.manifest.digest import digest_sampling
+
+        _SAMPLING.append(digest_sampling())
+    return _SAMPLING[0]
 
 
 _stepped_aside: set[str] = set()
@@ -358,6 +393,11 @@ def register_plugin() -> None:
 
                     # P's scheduler: each request it sends to a D names P's layout
                     guard_scheduler(connector, _vllm_layout.token_of_payload)
+                    from safeview.vllm._digest import guard_digest_scheduler
+
+                    # and, sampled (SAFEVIEW_DIGEST), is digested before D reads it; its
+                    # side channel answers a D that asks for the digests
+                    guard_digest_scheduler(connector, _digest_sampling())
             except Exception as error:  # never stop the server for our own failure
                 log.internal_error(where="vllm create_connector", error=error)
             return connector

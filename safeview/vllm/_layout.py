@@ -450,6 +450,7 @@ class WorkerLayout:
         # per P engine met: its rank manifests judged, and the request tokens settled for it
         self.peers: dict[str, _Peer] = {}
         self.handshake = threading.local()  # the side channel of the handshake in this thread
+        self.carried: set[str] = set()  # P engines whose handshake carried a manifest
 
     @property
     def manifest(self) -> Manifest:
@@ -848,6 +849,8 @@ def _guard_handshake(layout: WorkerLayout) -> None:
         refusal: Exception | None = None
         try:
             wire = take_decoded()  # what P's payload carried, decoded by vLLM just now
+            if wire is not None:  # P runs the plugin: its side channel answers safeview too
+                layout.carried.add(str(getattr(nixl_agent_meta, "engine_id", "")))
             if wire is None:  # P without safeview: its folder, or its NIXL metadata
                 refusal = layout.judge_handshake(nixl_agent_meta, remote_tp_size, remote_dcp_size)
             else:

@@ -154,6 +154,7 @@ def check_worker_coverage(
 WIRE_KEY = "safeview_manifest"  # the extra key of P's handshake payload
 TOKEN_KEY = "safeview"  # the extra key of a request's kv_transfer_params
 TOKEN_ATTRIBUTE = "safeview_token"  # where D's ReqMeta keeps it
+DIGEST_MARK_KEY = "safeview_digest"  # P digested the request (safeview.vllm._digest's MARK_KEY)
 _CHANNELS_PATCHED = "__safeview_channels__"
 _decoded = threading.local()  # the wire manifest of the payload this thread decoded last
 
@@ -227,10 +228,14 @@ def install_channels() -> None:
         *args: Any, **kwargs: Any,
     ) -> Any:  # fmt: skip
         added = add(self, request_id, local_block_ids, kv_transfer_params, *args, **kwargs)
-        token = kv_transfer_params.get(TOKEN_KEY) if isinstance(kv_transfer_params, dict) else None
+        params = kv_transfer_params if isinstance(kv_transfer_params, dict) else {}
+        token = params.get(TOKEN_KEY)
         if token is not None:
             with contextlib.suppress(Exception):  # a ReqMeta of another vLLM: nothing carried
                 setattr(self.reqs_to_recv[request_id], TOKEN_ATTRIBUTE, token)
+        if params.get(DIGEST_MARK_KEY):  # P digested it: D compares what arrives
+            with contextlib.suppress(Exception):
+                setattr(self.reqs_to_recv[request_id], DIGEST_MARK_KEY, True)
         return added
 
     setattr(add_new_req_to_recv, _CHANNELS_PATCHED, True)

@@ -1,0 +1,211 @@
+"""What ``safeview.digest`` costs against copying the same bytes once with torch (issue 29).
+
+The cache, as vLLM 0.33 holds it: per layer a ``[num_blocks, H, block_size, 2 * head_size]``
+bf16 tensor (``safeview.manifest.vllm_axes()``) in both physical orders vLLM uses, ``LBHNC``
+(head-major pages: the tensor itself) and ``LBNHC`` (token-major pages: a ``[B, N, H, C]``
+tensor permuted to ``[B, H, N, C]``); 32 layers, 8 KV heads of 128, 16-token blocks, 2,048
+blocks (``--blocks``), every byte written before it is read. The manifest is made once with
+``safeview.describe`` (as an integration makes it at registration); the measured call is
+``safeview.digest(manifest, kv_caches, block_ids)`` with the block ids a Python list, as vLLM
+holds them, for a request of 128 blocks (2,048 tokens) with (a) consecutive ids and (b) ids
+scattered over the cache, and of 1 block (the per-call fixed cost).
+
+The baseline, "copying the same bytes once with torch": per layer, the request's pages as they
+lie in memory gathered by block id into a staging buffer made once beforehand, as a connector's
+staging buffer is: ``torch.index_select(pages, 0, ids, out=staging)`` where ``pages`` is the
+layer's tensor in its physical order (whole pages, each byte read once and written once, the
+ids turned into a tensor from the same Python list each call). Two things are left out of it
+on purpose: a fresh output each call (its page faults are not a copy's cost, and the digest
+allocates nothing of that size), and ``index_select`` of the permuted ``[B, H, N, C]`` view of
+an ``LBNHC`` cache, which writes the bytes in another order (a transposing copy, dearer than
+reading them once); that one is printed for scale. Target: digest / copy at most 1.5x for the
+128-block request, both orders, both id patterns.
+
+Each round runs every row once, interleaved (odd rounds in reverse order, so that neither side
+always finds the request's bytes in the caches the other just filled); a figure is the median
+over rounds of (digest time / copy time in that round); GB/s are the request's bytes over the
+median time (a copy reads them and writes them: its memory traffic is twice that).
+``--threads`` sets torch's intra-op threads (default 1: on a machine shared
+with other work a parallel region waits for its slowest thread, which is often descheduled, and
+the figures swing by 10x); ``--cpu-time`` times by the process's CPU time. ``--device cuda``
+runs the same rows on a GPU (synchronized around each call), where the copy's bytes/s is the
+device's copy bandwidth for this gather.
+
+Run: python benchmarks/bench_digest.py [--rounds 9] [--blocks 2048] [--device cpu]
+     [--threads 1] [--cpu-time] [--layouts LBHNC LBNHC]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import safeview
+from safeview.manifest import vllm_axes
+
+LAYERS, HEADS, TOKENS, HEAD_SIZE = 32, 8, 16, 128
+REQUEST_BLOCKS = 128  # 2,048 tokens
+TARGET = 1.5
+PAGE_BYTES = 2 * HEADS * TOKENS * HEAD_SIZE * 2  # K and V, bf16
+
+
+def _caches(
+    layout: str, blocks: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """vLLM's per-layer views and, per layer, the same memory in its physical order (whole
+    pages, block first), every byte written: untouched pages would read as the zero page."""
+    pattern = torch.randint(-128, 128, (PAGE_BYTES * 64,), dtype=torch.int8, device=device)
+    views, physical = {}, []
+    for layer in range(LAYERS):
+        if layout == "LBHNC":
+            pages = torch.empty(blocks, HEADS, TOKENS, 2 * HEAD_SIZE, dtype=torch.bfloat16,
+                                device=device)  # fmt: skip
+            view = pages
+        else:
+            pages = torch.empty(blocks, TOKENS, HEADS, 2 * HEAD_SIZE, dtype=torch.bfloat16,
+                                device=device)  # fmt: skip
+            view = pages.permute(0, 2, 1, 3)
+        raw = pages.view(-1).view(torch.int8)
+        for start in range(0, raw.numel(), pattern.numel()):
+            end = min(raw.numel(), start + pattern.numel())
+            raw[start:end].copy_(pattern[: end - start])
+            pattern = pattern.roll(1)  # no two pages alike
+        views[f"model.layers.{layer}.self_attn.attn"] = view
+        physical.append(pages)
+    return views, physical
+
+
+def _rows(
+    layout: str, blocks: int, device: torch.device, seed: int
+) -> dict[str, tuple[Callable[[], object], int]]:
+    """Per row: the call and the request's bytes it covers."""
+    views, physical = _caches(layout, blocks, device)
+    manifest = safeview.describe(
+        views,
+        axes=vllm_axes(),
+        topology={"tp_rank": 0, "tp_size": 1, "total_kv_heads": HEADS},
+    )
+    chooser = random.Random(seed)
+    first = chooser.randrange(blocks - REQUEST_BLOCKS)
+    consecutive = list(range(first, first + REQUEST_BLOCKS))
+    scattered = chooser.sample(range(blocks), REQUEST_BLOCKS)
+    one = [chooser.randrange(blocks)]
+    staging = [torch.empty_like(pages[:REQUEST_BLOCKS]) for pages in physical]
+
+    def copy(ids: list[int]) -> Callable[[], object]:
+        def run() -> object:
+            index = torch.tensor(ids, dtype=torch.int64, device=device)
+            for pages, out in zip(physical, staging):
+                torch.index_select(pages, 0, index, out=out[: len(ids)])
+            return None
+
+        return run
+
+    def digest(ids: list[int]) -> Callable[[], object]:
+        return lambda: safeview.digest(manifest, views, ids)
+
+    def view_select(ids: list[int]) -> Callable[[], object]:
+        def run() -> object:
+            index = torch.tensor(ids, dtype=torch.int64, device=device)
+            return [view.index_select(0, index) for view in views.values()]
+
+        return run
+
+    request = REQUEST_BLOCKS * PAGE_BYTES * LAYERS
+    return {
+        "copy, consecutive": (copy(consecutive), request),
+        "digest, consecutive": (digest(consecutive), request),
+        "copy, scattered": (copy(scattered), request),
+        "digest, scattered": (digest(scattered), request),
+        "copy, 1 block": (copy(one), PAGE_BYTES * LAYERS),
+        "digest, 1 block": (digest(one), PAGE_BYTES * LAYERS),
+        "view.index_select(0, ids), new output, consecutive": (view_select(consecutive), request),
+    }
+
+
+BASELINES = {
+    "digest, consecutive": "copy, consecutive",
+    "digest, scattered": "copy, scattered",
+    "digest, 1 block": "copy, 1 block",
+    "view.index_select(0, ids), new output, consecutive": "copy, consecutive",
+}
+TARGETS = {"digest, consecutive": TARGET, "digest, scattered": TARGET}
+
+
+def measure(
+    layout: str, blocks: int, rounds: int, device: torch.device, cpu_time: bool
+) -> dict[str, tuple[list[float], int]]:
+    table = _rows(layout, blocks, device, seed=29)
+
+    def sync() -> None:  # a GPU call returns before its work is done
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    clock = time.process_time_ns if cpu_time else time.perf_counter_ns
+    times: dict[str, list[float]] = {name: [] for name in table}
+    for fn, _ in table.values():  # warm-up: the digest's R and keys, the allocator
+        fn()
+    sync()
+    for round_index in range(rounds):
+        order = list(table.items())
+        if round_index % 2:
+            order.reverse()
+        for name, (fn, _) in order:
+            sync()
+            began = clock()
+            fn()
+            sync()
+            times[name].append((clock() - began) / 1e9)
+    return {name: (times[name], nbytes) for name, (_, nbytes) in table.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--blocks", type=int, default=2048)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    parser.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time")
+    parser.add_argument("--layouts", nargs="+", default=["LBHNC", "LBNHC"])
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, safeview {safeview.__version__}, {device} "
+        f"({torch.get_num_threads()} threads), {args.rounds} rounds, "
+        f"{'CPU time' if args.cpu_time else 'wall clock'}; {LAYERS} layers, {HEADS} KV heads of "
+        f"{HEAD_SIZE}, {TOKENS}-token blocks, {args.blocks:,} blocks; request "
+        f"{REQUEST_BLOCKS} blocks = {REQUEST_BLOCKS * PAGE_BYTES * LAYERS / 2**20:.0f} MiB"
+    )
+    missed = False
+    for layout in args.layouts:
+        results = measure(layout, args.blocks, args.rounds, device, args.cpu_time)
+        print(f"\n{layout}")
+        print(f"{'row':52} {'ms':>9} {'GB/s':>7} {'ratio':>6}  {'IQR':>11}  verdict")
+        for name, (times, nbytes) in results.items():
+            seconds = statistics.median(times)
+            line = f"{name:52} {seconds * 1e3:9.2f} {nbytes / seconds / 1e9:7.2f}"
+            base = BASELINES.get(name)
+            if base is None:
+                print(f"{line} {'(base)':>6}")
+                continue
+            ratios = [t / b for t, b in zip(times, results[base][0])]
+            low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            figure = statistics.median(ratios)
+            target = TARGETS.get(name)
+            verdict = "n/a"
+            if target is not None:
+                verdict = f"PASS (<= {target}x)" if figure <= target else f"FAIL (> {target}x)"
+                missed |= figure > target
+            print(f"{line} {figure:6.2f}  {low:5.2f}-{high:5.2f}  {verdict}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

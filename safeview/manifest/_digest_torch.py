@@ -1,0 +1,429 @@
+"""``safeview.digest``'s arithmetic on tensors (the formula is in ``safeview.manifest.digest``).
+
+Per layer: an int8 ``as_strided`` view of the layer's storage with one row per (block, K/V,
+token, head, piece) and the row's bytes last, read straight from the pages where the request's
+blocks form a few runs of consecutive ids, else gathered once with ``index_select`` on the
+tensor's device; ``torch._int_mm`` of the rows with ``R`` (exact int8 x int8 -> int32); the two
+lanes times the position keys modulo ``PRIME``, summed per head; the K/V, head and layer keys
+on the few sums left. Part of the torch boundary (tests/test_architecture.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from safeview.errors import ArgumentError
+from safeview.manifest._digest_model import (
+    LANES,
+    NO_HEAD,
+    PRIME,
+    Digest,
+    key,
+    layer_key,
+    piece_count,
+    row_weights,
+)
+from safeview.manifest._model import Layer, Manifest
+
+__all__ = ["digest"]
+
+_CHUNK_BYTES = 1 << 19  # pages gathered at a time on CPU (they stay in the core's cache)
+_MAX_RUNS = 8  # more runs of consecutive block ids than this: one gather is cheaper
+_R_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+_GROUP = 4  # rows multiplied together: 8 output columns, 2 lanes each
+
+
+def _r_matrix(length: int, device: torch.device, group: int = 1) -> torch.Tensor:
+    """``R`` for ``group`` consecutive rows of ``length`` bytes read as one row, as
+    ``torch._int_mm`` takes it: ``(group * length, 8)`` int8, block-diagonal, row ``s``'s two
+    lanes in columns ``2s`` and ``2s + 1`` (with one row, the other six columns zero: the kernel
+    wants 8). A longer row is read faster by the kernel (about 1.05x a copy for 1 KiB, 1.4x for
+    256 bytes, on CPU) and every output column is used. Row-major on CPU (its kernel reads it
+    faster so), column-major elsewhere (cuBLASLt's int8 form)."""
+    found = _R_CACHE.get((length, group, str(device)))
+    if found is None:
+        weights = torch.tensor(row_weights(length), dtype=torch.int8)  # (length, lanes)
+        matrix = torch.zeros(8, group * length, dtype=torch.int8)
+        for row in range(group):
+            part = slice(row * length, (row + 1) * length)
+            matrix[row * LANES : (row + 1) * LANES, part] = weights.t()
+        if len(_R_CACHE) > 64:
+            _R_CACHE.clear()
+        found = matrix.t().contiguous() if device.type == "cpu" else matrix.to(device).t()
+        _R_CACHE[(length, group, str(device))] = found
+    return found
+
+
+def _rows_times_r(rows: torch.Tensor, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows @ R`` exactly, ``(M, 2)``, one column per lane (int32; int64 from the fallback),
+    into ``out`` when given (int32 ``(M, 2)``, contiguous): ``torch._int_mm`` where it runs (on
+    CUDA more than 16 rows and a multiple of 8 bytes, padded with zeros, which add nothing),
+    ``_GROUP`` rows at a time where they lie one after another, else a float64 product, exact
+    below ``2**53``."""
+    count = rows.shape[0]
+    device = rows.device
+    try:
+        if device.type == "cuda" and (count <= 16 or length % 8):
+            matrix = _r_matrix(length, device)
+            padded = torch.zeros(
+                max(count, 17), -(-length // 8) * 8, dtype=torch.int8, device=device
+            )
+            padded[:count, :length] = rows
+            wide = torch.zeros(padded.shape[1], 8, dtype=torch.int8, device=device)
+            wide[:length] = matrix
+            found = torch._int_mm(padded, wide)[:count, :LANES]
+        elif (
+            count % _GROUP == 0
+            and rows.is_contiguous()
+            and (device.type != "cuda" or (count // _GROUP > 16 and length % 8 == 0))
+        ):
+            matrix = _r_matrix(length, device, _GROUP)
+            grouped = rows.view(count // _GROUP, _GROUP * length)
+            if out is not None:
+                torch._int_mm(grouped, matrix, out=out.view(count // _GROUP, 8))
+                return out
+            return torch._int_mm(grouped, matrix).view(count, LANES)
+        else:
+            found = torch._int_mm(rows, _r_matrix(length, device))[:, :LANES]
+    except (RuntimeError, NotImplementedError):
+        matrix = _r_matrix(length, device)
+        found = (rows.to(torch.float64) @ matrix[:, :LANES].to(torch.float64)).to(torch.int64)
+    if out is not None:
+        out.copy_(found)
+        return out
+    return found
+
+
+_LAYER_KEYS: dict[tuple[str, int], int] = {}
+
+
+def _layer_key(name: str, lane: int) -> int:
+    found = _LAYER_KEYS.get((name, lane))
+    if found is None:
+        if len(_LAYER_KEYS) > 65536:
+            _LAYER_KEYS.clear()
+        found = _LAYER_KEYS[(name, lane)] = layer_key(name, lane)
+    return found
+
+
+def _int8_base(tensor: torch.Tensor) -> torch.Tensor:
+    """An int8 tensor over ``tensor``'s whole storage, for ``as_strided`` with byte offsets:
+    the tensor itself viewed as int8 where torch allows it (no ``set_``), else a fresh tensor
+    on its storage (one-argument ``set_``: views it whole, never resizes it)."""
+    if tensor.dtype is torch.int8:
+        return tensor
+    try:
+        return tensor.view(torch.int8)
+    except RuntimeError:
+        return torch.empty(0, dtype=torch.int8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive block ids: (first id, count, position of the run in ``ids``)."""
+    runs: list[tuple[int, int, int]] = []
+    for at, block in enumerate(ids):
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            first, count, where = runs[-1]
+            runs[-1] = (first, count + 1, where)
+        else:
+            runs.append((block, 1, at))
+    return runs
+
+
+def _tensor_of(kv_caches: Any, index: int, name: str) -> torch.Tensor:
+    if isinstance(kv_caches, Mapping):
+        if name not in kv_caches:
+            raise ArgumentError(f"kv_caches has no tensor for layer {name!r} of the manifest")
+        tensor = kv_caches[name]
+    elif isinstance(kv_caches, Sequence) and not isinstance(kv_caches, (str, bytes)):
+        if index >= len(kv_caches):
+            raise ArgumentError(
+                f"kv_caches holds {len(kv_caches)} tensors; layer {name!r} is the manifest's "
+                f"layer {index}"
+            )
+        tensor = kv_caches[index]
+    else:
+        raise ArgumentError(
+            f"kv_caches is a {type(kv_caches).__name__}, not a mapping of layer name to tensor "
+            "or a sequence of tensors"
+        )
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+        raise ArgumentError(
+            f"kv_caches[{name!r}] is a {type(tensor).__name__}, not a strided tensor"
+        )
+    return tensor
+
+
+def _extent(layer: Layer) -> int:
+    last = layer.byte_offset + max(layer.num_blocks - 1, 0) * layer.block_stride_bytes
+    return last + sum((a.size - 1) * a.stride_bytes for a in layer.axes) + layer.itemsize
+
+
+def _position_keys(
+    lane: int, blocks: int, tokens: int, num_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """Key of each (request block, token) position for ``lane``, 0 at and past ``num_tokens``:
+    ``(blocks, tokens)`` int64."""
+    positions = torch.arange(blocks * tokens, dtype=torch.int64, device=device)
+    keys = key(positions, "token", lane)
+    keys = torch.where(positions < num_tokens, keys, torch.zeros_like(keys))
+    return keys.view(blocks, tokens)
+
+
+_SPLIT = 1 << 16  # keys cut into 16-bit halves: a row's lane times a half, summed, stays exact
+
+
+class _Plan:
+    """What a layer's geometry and the request's shape decide, made once per call for every
+    layer of one ``Layer`` (the layers of one page shape share it): the row view's shape and
+    strides, the keys of the rows of one outer index as int64 ``(block rows before the
+    head, heads, rows after it, lanes)`` (the rows' own order) and their 16-bit halves, and
+    whether one run's sums stay below ``2**63`` without a ``%`` per row."""
+
+    def __init__(self, layer: Layer, blocks: int, num_tokens: int, device: torch.device) -> None:
+        placed = next((a for a in layer.axes if a.outer and a.size > 1 and a.axis != "kv"), None)
+        self.placed = placed.axis if placed is not None else None
+        itemsize = layer.itemsize
+        element = next((a for a in layer.axes if a.axis == "element"), None)
+        size_e, stride_e = (element.size, element.stride_bytes) if element else (1, itemsize)
+        row_bytes = size_e * itemsize
+        pieces = piece_count(row_bytes)
+        self.piece_bytes = row_bytes // pieces
+        outer = [a for a in layer.axes if a.outer and a.size > 1]
+        inner = [a for a in layer.axes if not a.outer and a.size > 1 and a.axis != "element"]
+        tokens = layer.size_of("token")
+        self.heads = layer.heads or (NO_HEAD,)
+        dims = ["block", *(a.axis for a in inner), "piece"]
+        self.shape_tail = [*(a.size for a in inner), size_e, itemsize]
+        self.stride_tail = [*(a.stride_bytes for a in inner), stride_e, 1]
+        self.span = sum((s - 1) * t for s, t in zip(self.shape_tail, self.stride_tail)) + 1
+        sizes = [blocks, *(a.size for a in inner), pieces]
+        per_lane = []
+        for lane in range(LANES):
+            keys = torch.ones(sizes, dtype=torch.int64, device=device)
+            positions = _position_keys(lane, blocks, tokens, num_tokens, device)
+            view = [blocks if d == "block" else tokens if d == "token" else 1 for d in dims]
+            keys = keys * positions.view(view)
+            for at, meaning in enumerate(dims):
+                if meaning in ("kv", "piece"):
+                    count = sizes[at]
+                    coordinate = key(
+                        torch.arange(count, dtype=torch.int64, device=device), meaning, lane
+                    )
+                    shape = [count if i == at else 1 for i in range(len(dims))]
+                    keys = keys * coordinate.view(shape) % PRIME
+            per_lane.append(keys)
+        keys = torch.stack(per_lane, dim=-1)  # (*sizes, lanes)
+        at = dims.index("head") if "head" in dims else len(dims)
+        self.pre = math.prod(sizes[1:at])  # rows of a block before its head index changes
+        self.post = math.prod(sizes[at + 1 :])  # rows of one head index in a row
+        self.keys = keys.reshape(
+            blocks * self.pre, len(self.heads), self.post, LANES
+        )  # contiguous: the rows' own order
+        self.low = self.keys % _SPLIT
+        self.high = self.keys // _SPLIT
+        rows_per_head = blocks * self.pre * self.post
+        largest = 128 * 127 * self.piece_bytes  # |<row, R>|
+        self.exact = largest * _SPLIT * max(rows_per_head, 1) < 1 << 62
+        self.outer_offsets: list[tuple[int, dict[str, int]]] = [(0, {})]
+        for axis in outer:
+            self.outer_offsets = [
+                (at + i * axis.stride_bytes, {**coords, axis.axis: i})
+                for at, coords in self.outer_offsets
+                for i in range(axis.size)
+            ]
+        self.outer_keys = []
+        for _, coords in self.outer_offsets:
+            outer_key = [1] * LANES
+            for lane in range(LANES):
+                for meaning, index in coords.items():
+                    outer_key[lane] = outer_key[lane] * key(index, meaning, lane) % PRIME
+            self.outer_keys.append(torch.tensor(outer_key, dtype=torch.int64, device=device))
+
+
+def _weighted_sums(lanes: torch.Tensor, plan: _Plan, where: int, count: int) -> torch.Tensor:
+    """Per head and lane, the sum of each row's lane times its key, modulo ``PRIME``: int64
+    ``(heads, lanes)``. ``lanes`` is ``_rows_times_r``'s ``(rows, 2)`` of one run, rows in the
+    order of the keys (block, then the page's axes as they lie)."""
+    values = lanes.to(torch.int64).view(count * plan.pre, -1, plan.post, LANES)
+    rows = slice(where * plan.pre, (where + count) * plan.pre)
+    if plan.exact:
+        # no % per row: |lane| * 2**16 * rows per head < 2**62 (checked in the plan)
+        low = (values * plan.low[rows]).sum(dim=(0, 2)) % PRIME
+        high = (values * plan.high[rows]).sum(dim=(0, 2)) % PRIME
+        return (low + high * _SPLIT) % PRIME
+    return ((values * plan.keys[rows]) % PRIME).sum(dim=(0, 2)) % PRIME
+
+
+def _layer_sums(
+    name: str,
+    layer: Layer,
+    tensor: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    ids_tensor: torch.Tensor | None,
+    plan: _Plan,
+) -> torch.Tensor:
+    """A layer's per-head, per-lane sums, int64 ``(heads, lanes)`` on the tensor's device."""
+    nbytes = tensor.untyped_storage().nbytes()
+    if _extent(layer) > nbytes:
+        raise ArgumentError(
+            f"layer {name!r}: the manifest's pages reach byte {_extent(layer):,}, its tensor's "
+            f"storage holds {nbytes:,}: the manifest is not this tensor's"
+        )
+    if plan.placed is not None:
+        raise ArgumentError(
+            f"layer {name!r}: its {plan.placed} axis lies outside the block axis; a digest "
+            "reads pages whose only such axis is K/V"
+        )
+    device = tensor.device
+    base = _int8_base(tensor)
+    heads = plan.heads
+    total = torch.zeros(len(heads), LANES, dtype=torch.int64, device=device)
+    blocks = sum(count for _, count, _ in runs)
+    for (offset, _), outer_key in zip(plan.outer_offsets, plan.outer_keys):
+        pieces_of: list[tuple[torch.Tensor, int, int]] = []  # rows, blocks, first position
+        start = layer.byte_offset + offset
+        if len(runs) <= _MAX_RUNS:
+            for first, count, where in runs:
+                view = torch.as_strided(
+                    base,
+                    [count, *plan.shape_tail],
+                    [layer.block_stride_bytes, *plan.stride_tail],
+                    start + first * layer.block_stride_bytes,
+                )
+                pieces_of.append((view, count, where))
+        else:
+            # the pages' bytes gathered whole (a row copy per block), then read as rows
+            whole = torch.as_strided(
+                base, [layer.num_blocks, plan.span], [layer.block_stride_bytes, 1], start
+            )
+            assert ids_tensor is not None
+            if device.type == "cpu":
+                # gathered a few blocks at a time into a buffer that stays in the core's
+                # cache, each batch's rows multiplied while there: the pages read once
+                chunk = max(1, _CHUNK_BYTES // plan.span)
+                buffer = torch.empty(chunk, plan.span, dtype=torch.int8, device=device)
+                per_block = math.prod(plan.shape_tail) // plan.piece_bytes
+                lanes = torch.empty(blocks * per_block, LANES, dtype=torch.int32, device=device)
+                for at in range(0, blocks, chunk):
+                    count = min(chunk, blocks - at)
+                    torch.index_select(whole, 0, ids_tensor[at : at + count], out=buffer[:count])
+                    rows = torch.as_strided(
+                        buffer, [count, *plan.shape_tail], [plan.span, *plan.stride_tail]
+                    ).reshape(-1, plan.piece_bytes)
+                    into = lanes[at * per_block : (at + count) * per_block]
+                    _rows_times_r(rows, plan.piece_bytes, out=into)
+                sums = _weighted_sums(lanes, plan, 0, blocks)
+                total = (total + sums % PRIME * outer_key) % PRIME
+                continue
+            gathered = whole.index_select(0, ids_tensor)
+            view = torch.as_strided(
+                gathered, [blocks, *plan.shape_tail], [plan.span, *plan.stride_tail]
+            )
+            pieces_of.append((view, blocks, 0))
+        sums = torch.zeros(len(heads), LANES, dtype=torch.int64, device=device)
+        for view, count, where in pieces_of:
+            rows = view.reshape(-1, plan.piece_bytes)
+            lanes = _rows_times_r(rows, plan.piece_bytes)
+            sums += _weighted_sums(lanes, plan, where, count)
+        total = (total + sums % PRIME * outer_key) % PRIME
+    return total
+
+
+def _values(name: str, heads: Sequence[int], found: list[list[int]]) -> dict[int, int]:
+    """A layer's values per head from its per-lane sums: times the head's and the layer's key."""
+    result: dict[int, int] = {}
+    layer_keys = [_layer_key(name, lane) for lane in range(LANES)]
+    for at, head in enumerate(heads):
+        lanes_value = []
+        for lane in range(LANES):
+            head_key = key(head, "head", lane) if head != NO_HEAD else 1
+            lanes_value.append(found[at][lane] * head_key % PRIME * layer_keys[lane] % PRIME)
+        result[head] = (lanes_value[0] << 31) | lanes_value[1]
+    return result
+
+
+def digest(
+    manifest: Manifest,
+    kv_caches: Any,
+    block_ids: Any,
+    layers: Sequence[str] | None,
+    num_tokens: int | None,
+) -> Digest:
+    if not isinstance(manifest, Manifest):
+        raise ArgumentError(f"manifest is a {type(manifest).__name__}, not a safeview Manifest")
+    if isinstance(block_ids, torch.Tensor):
+        block_ids = block_ids.tolist()
+    try:
+        ids = [int(b) for b in block_ids]
+    except (TypeError, ValueError):
+        raise ArgumentError(f"block_ids {block_ids!r} is not a sequence of block ids") from None
+    names = list(manifest.layers) if layers is None else list(layers)
+    for name in names:
+        if name not in manifest.layers:
+            raise ArgumentError(f"layers names {name!r}, which the manifest does not have")
+    token_counts = {manifest.layers[n].size_of("token") for n in names}
+    positions = len(ids) * min(token_counts, default=1)
+    if num_tokens is None:
+        num_tokens = positions
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ArgumentError(f"num_tokens {num_tokens!r} is not a non-negative integer")
+    if num_tokens > positions:
+        raise ArgumentError(
+            f"num_tokens {num_tokens:,} is more than the {len(ids)} blocks hold ({positions:,} "
+            "positions)"
+        )
+    low, high = (min(ids), max(ids)) if ids else (0, -1)
+    runs = _runs(ids)
+    index = {name: at for at, name in enumerate(manifest.layers)}
+    values: dict[str, dict[int, int]] = {}
+    sums: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+    plans: dict[tuple[Any, ...], _Plan] = {}
+    ids_tensors: dict[str, torch.Tensor] = {}
+    for name in names:
+        layer = manifest.layers[name]
+        tensor = _tensor_of(kv_caches, index[name], name)
+        if low < 0 or high >= layer.num_blocks:
+            bad = next(b for b in ids if not 0 <= b < layer.num_blocks)
+            raise ArgumentError(
+                f"block_ids holds {bad}, outside the {layer.num_blocks:,} blocks of layer "
+                f"{name!r} (0 to {layer.num_blocks - 1:,})"
+            )
+        device_name = str(tensor.device)
+        if len(runs) > _MAX_RUNS and device_name not in ids_tensors:
+            ids_tensors[device_name] = torch.tensor(ids, dtype=torch.int64, device=tensor.device)
+        # what a plan depends on: the page's axes and heads (layers of one shape share it)
+        shape = (
+            tuple((a.axis, a.size, a.stride_bytes, a.outer) for a in layer.axes),
+            layer.itemsize,
+            layer.heads,
+            device_name,
+        )
+        plan = plans.get(shape)
+        if plan is None:
+            plan = plans[shape] = _Plan(layer, len(ids), num_tokens, tensor.device)
+        sums[name] = (
+            _layer_sums(name, layer, tensor, runs, ids_tensors.get(device_name), plan),
+            plan.heads,
+        )
+    # one transfer to the host per device, after every layer's work is queued (a per-layer
+    # transfer would wait for each layer's kernels in turn on a GPU)
+    by_device: dict[str, list[str]] = {}
+    for name, (total, _) in sums.items():
+        by_device.setdefault(str(total.device), []).append(name)
+    for names_here in by_device.values():
+        stacked = torch.cat([sums[name][0] for name in names_here]).tolist()
+        at = 0
+        for name in names_here:
+            heads = sums[name][1]
+            values[name] = _values(name, heads, stacked[at : at + len(heads)])
+            at += len(heads)
+    values = {name: values[name] for name in names}  # the manifest's order
+    topology = manifest.topology
+    return Digest(num_tokens, values, topology.tp_rank, topology.tp_size, manifest.fingerprint)

@@ -1,0 +1,312 @@
+"""A digest of what a request's KV bytes mean, not of the rows that hold them (issue 29).
+
+Two engines that hold the same request differently (prefill TP 2 and decode TP 4, 16-token and
+32-token blocks, token-major and head-major pages) hold different rows, so a checksum of rows
+differs even when every value arrived. ``digest`` reads each side's pages through that side's
+own manifest and sums a value per **logical coordinate** instead: layer (by name), K or V,
+token position in the request, global KV head, element and byte of the element. The same
+meaning gives the same number on both sides, whatever the split.
+
+``safeview.digest(manifest, kv_caches, block_ids)`` -> ``Digest``: per layer, per global head
+(``-1`` for a layer without heads: an MLA latent, a state) one 62-bit value; a rank holds the
+heads it holds, so the digests of P's ranks combine and each D rank compares only its heads.
+``safeview.verify(sent, received)`` -> findings (``digest``, ``digest_unmatched``), empty when
+the meaning agrees, first layer first. ``Digest.to_wire()`` is a few bytes per (layer, head)
+and a compressed header; ``Digest.from_wire`` refuses anything else in one ``ManifestError``.
+
+The value of a (layer, head), two lanes of arithmetic modulo the prime ``p = 2**31 - 1``::
+
+    lane(layer, head) = key(layer) * key(head) * sum over K/V, positions < num_tokens, pieces
+                        of  key(kv) * key(position) * key(piece) * <row bytes, R[:, lane]>
+
+A row is one (K/V, token, head) vector of elements, as int8 bytes (a row of more than 32 KiB
+is cut into equal pieces); ``R`` is a fixed int8 matrix whose entries are never 0 and whose
+lane pairs ``(R[j, 0], R[j, 1])`` differ for every byte ``j`` of a row. Every key is in
+``[1, p)``. Hence, exactly, not by chance: one changed byte changes the value (a change ``d``
+of one byte changes the lane by ``key * d * R[j]``, a product of nonzeros below ``p``); two
+bytes of a row swapped change it; a row moved to another position, K/V, head or layer changes
+it. Any other fault matches by chance with probability about ``2**-62`` per (layer, head)
+(two lanes, each a sum with pseudo-random keys modulo a prime). Bytes past ``num_tokens`` in
+the last block are not meaning and are not read into the value.
+
+What it cannot see: a fault before the sender's digest (the sender digests what it holds), a
+fault that leaves every value as it was (a value rewritten with itself), and a layer, head or
+token the digests were not asked about. The keys are public: this detects accidents, it is no
+signature against a forger.
+
+No torch here: ``digest`` computes in ``safeview.manifest._digest_torch``, on the tensors' own
+device, with torch ops only (``torch._int_mm`` for the rows; no host copy of pages, no Python
+loop over tokens or blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from safeview import log
+from safeview.errors import ConfigError, DigestMismatchError
+from safeview.findings import Finding
+from safeview.manifest._digest_model import (
+    DIGEST_CAP_BYTES,
+    DIGEST_SCHEME,
+    LANES,
+    MAX_PIECE_BYTES,
+    NO_HEAD,
+    PRIME,
+    Digest,
+    key,
+    layer_key,
+    piece_count,
+    row_weights,
+)
+from safeview.policy import Policy, coerce_policy
+
+if TYPE_CHECKING:
+    from safeview.manifest._model import Manifest
+
+__all__ = [
+    "DIGEST_CAP_BYTES",
+    "DIGEST_SCHEME",
+    "ENV_DIGEST",
+    "LANES",
+    "MAX_PIECE_BYTES",
+    "NO_HEAD",
+    "PRIME",
+    "Digest",
+    "DigestSampling",
+    "digest",
+    "digest_sampling",
+    "judge",
+    "key",
+    "layer_key",
+    "not_judged",
+    "parse_sampling",
+    "piece_count",
+    "row_weights",
+    "verify",
+]
+
+ENV_DIGEST = "SAFEVIEW_DIGEST"
+
+
+def digest(
+    manifest: Manifest,
+    kv_caches: Any,
+    block_ids: Sequence[int] | Any,
+    *,
+    layers: Sequence[str] | None = None,
+    num_tokens: int | None = None,
+) -> Digest:
+    """The digest of one request's blocks (``block_ids``, in token order: position ``p`` of
+    the request is token ``p % T`` of block ``block_ids[p // T]``) in ``kv_caches`` (by layer
+    name, as vLLM's ``kv_caches``, or a sequence in the manifest's layer order), read through
+    ``manifest`` (this side's, as ``safeview.describe`` made it from these tensors), for
+    ``layers`` (default: all) and the first ``num_tokens`` positions (default: every position
+    of the blocks given). ``ArgumentError`` names a block id, layer or tensor that does not
+    fit the manifest; nothing is written, no page is copied to the host."""
+    from safeview.manifest import _digest_torch
+
+    return _digest_torch.digest(manifest, kv_caches, block_ids, layers, num_tokens)
+
+
+# -- comparing two sides ------------------------------------------------------------------------
+
+
+def _merged(
+    digests: Digest | Sequence[Digest], side: str, findings: list[Finding]
+) -> tuple[dict[tuple[str, int], tuple[int, int]], list[str], set[int]]:
+    """One side's values by (layer, head), with the rank that gave each; layers in first-seen
+    order; the token counts it states. Two ranks of one side that hold one head (replicated
+    heads) and disagree about it are a finding of their own."""
+    group = [digests] if isinstance(digests, Digest) else list(digests)
+    if not group or not all(isinstance(d, Digest) for d in group):
+        raise TypeError(f"verify: {side} is not a Digest or a sequence of Digests")
+    merged: dict[tuple[str, int], tuple[int, int]] = {}
+    order: list[str] = []
+    for one in group:
+        for layer, per_head in one.values.items():
+            if layer not in order:
+                order.append(layer)
+            for head, value in per_head.items():
+                known = merged.setdefault((layer, head), (value, one.tp_rank))
+                if known[0] != value:
+                    findings.append(
+                        Finding.digest_mismatch(
+                            layer,
+                            heads=(head,),
+                            receiver_rank=one.tp_rank if side == "received" else None,
+                            sender_ranks=(known[1], one.tp_rank) if side == "sent" else (),
+                            message=f"{layer}: the {side} side's ranks {known[1]} and "
+                            f"{one.tp_rank} hold head {_head(head)} and digest it differently",
+                        )
+                    )
+    return merged, order, {one.num_tokens for one in group}
+
+
+def verify(sent: Digest | Sequence[Digest], received: Digest | Sequence[Digest]) -> list[Finding]:
+    """Compare what a sender digested with what a receiver holds: each a ``Digest`` or one per
+    rank (P's ranks combine; pass only the D ranks to be judged). Every (layer, head) the
+    receiver digested is compared with the sender's; a layer's heads that differ make one
+    ``digest`` finding naming them, first layer first; a (layer, head) no sender digest holds
+    makes a ``digest_unmatched`` finding; different token counts one finding and nothing
+    else. Empty when the meaning agrees."""
+    findings: list[Finding] = []
+    theirs, _, sent_tokens = _merged(sent, "sent", findings)
+    ours, order, received_tokens = _merged(received, "received", findings)
+    if len(sent_tokens | received_tokens) > 1:
+        return [
+            Finding.digest_unmatched(
+                None,
+                heads=(),
+                message=f"the sender digested {_tokens(sent_tokens)} positions, the receiver "
+                f"{_tokens(received_tokens)}: not the same request, or not all of it",
+            )
+        ]
+    received_ranks: dict[tuple[str, int], int] = {k: rank for k, (_, rank) in ours.items()}
+    for layer in order:
+        heads = sorted(h for (name, h) in ours if name == layer)
+        differ = [
+            h for h in heads if (layer, h) in theirs and theirs[layer, h][0] != ours[layer, h][0]
+        ]
+        absent = [h for h in heads if (layer, h) not in theirs]
+        if differ:
+            ranks = tuple(sorted({theirs[layer, h][1] for h in differ}))
+            findings.append(
+                Finding.digest_mismatch(
+                    layer,
+                    heads=tuple(differ),
+                    receiver_rank=received_ranks[layer, differ[0]],
+                    sender_ranks=ranks,
+                    message=f"{layer}: {_heads(differ)} read differently from what the sender "
+                    f"digested (sender rank {', '.join(map(str, ranks))}, receiver rank "
+                    f"{received_ranks[layer, differ[0]]})",
+                )
+            )
+        if absent:
+            findings.append(
+                Finding.digest_unmatched(
+                    layer,
+                    heads=tuple(absent),
+                    message=f"{layer}: {_heads(absent)} of the receiver are in no sender digest "
+                    "given: not compared",
+                )
+            )
+    return findings
+
+
+def judge(
+    sent: Digest | Sequence[Digest],
+    received: Digest | Sequence[Digest],
+    *,
+    policy: Policy | str,
+    request: str | None = None,
+    **fields: Any,
+) -> DigestMismatchError | None:
+    """``verify``, and its event: ``digest_checked`` when the meaning agrees, ``digest_mismatch``
+    when it does not (nothing under ``off``); the error to fail the request with under strict.
+    ``fields``: ``engine``, ``tp_rank``, ``tp_size``, ``remote_engine``, ``remote_tp_size`` (the
+    receiver's and the sender's, as ``layout_checked`` names them)."""
+    active = coerce_policy(policy)
+    findings = verify(sent, received)
+    group = [received] if isinstance(received, Digest) else list(received)
+    said = {
+        **fields,
+        "request": request,
+        "policy": active.value,
+        "num_tokens": group[0].num_tokens,
+        "layers": len({layer for one in group for layer in one.values}),
+        "heads": sum(len(per) for one in group for per in one.values.values()),
+        "reason": None,
+    }
+    if not findings:
+        log.digest_checked(verdict="agree", **said)
+        return None
+    if active is Policy.OFF:
+        return None
+    strict = active is Policy.STRICT
+    log.digest_mismatch(findings[0], strict=strict, findings=len(findings), **said)
+    return DigestMismatchError(findings, request) if strict else None
+
+
+def not_judged(
+    reason: str, *, policy: Policy | str, request: str | None = None, **fields: Any
+) -> None:
+    """``digest_checked`` with ``verdict`` ``not_judged``: a request a sender digested whose
+    digests could not be compared (``reason``); the request goes on."""
+    log.digest_checked(
+        verdict="not_judged",
+        **fields,
+        request=request,
+        policy=coerce_policy(policy).value,
+        num_tokens=None,
+        layers=0,
+        heads=0,
+        reason=reason,
+    )
+
+
+def _head(head: int) -> str:
+    return "(no head axis)" if head == NO_HEAD else str(head)
+
+
+def _heads(heads: Sequence[int]) -> str:
+    if list(heads) == [NO_HEAD]:
+        return "its bytes (no head axis)"
+    shown = ", ".join(map(str, heads[:8])) + (", ..." if len(heads) > 8 else "")
+    return f"head{'s' if len(heads) > 1 else ''} {shown}"
+
+
+def _tokens(counts: set[int]) -> str:
+    return " or ".join(f"{n:,}" for n in sorted(counts))
+
+
+# -- sampling: SAFEVIEW_DIGEST ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DigestSampling:
+    """Which requests an integration digests: ``off`` (none), ``all``, or ``sample`` every
+    ``every``-th (the first included)."""
+
+    mode: Literal["off", "sample", "all"] = "off"
+    every: int = 1
+
+    def wants(self, count: int) -> bool:
+        """Whether the ``count``-th request (from 0) is digested."""
+        if self.mode == "off":
+            return False
+        return self.mode == "all" or count % self.every == 0
+
+    def __str__(self) -> str:
+        return f"sample:{self.every}" if self.mode == "sample" else self.mode
+
+
+def parse_sampling(raw: str | None, source: str = ENV_DIGEST) -> DigestSampling:
+    """``off``, ``all`` or ``sample:N`` (N >= 1; case and blanks ignored; unset or blank is
+    ``off``); ``ConfigError`` naming the variable, the value and what it may be otherwise."""
+    text = (raw or "").strip().lower()
+    if text in ("", "off"):
+        return DigestSampling("off")
+    if text == "all":
+        return DigestSampling("all")
+    if text.startswith("sample:"):
+        count = text.removeprefix("sample:").strip()
+        if count.isdigit() and int(count) >= 1:
+            return DigestSampling("sample", int(count)) if int(count) > 1 else DigestSampling("all")
+    raise ConfigError(source, raw, ("off", "sample:N (N >= 1)", "all"))
+
+
+def digest_sampling(environ: Mapping[str, str] | None = None) -> DigestSampling:
+    """``SAFEVIEW_DIGEST`` as an integration reads it: a value that is not one is one
+    ``RuntimeWarning`` naming it, and digests stay off (a digest is an extra check: a typo
+    must not stop an engine)."""
+    raw = (os.environ if environ is None else environ).get(ENV_DIGEST)
+    try:
+        return parse_sampling(raw)
+    except ConfigError as error:
+        warnings.warn(f"{error}; digests stay off", RuntimeWarning, stacklevel=2)
+        return DigestSampling("off")

@@ -1,0 +1,258 @@
+"""Bytes verified in flight (issue 29): vLLM 0.33's real NIXL connectors on CPU, P and D in
+separate processes, both with ``SAFEVIEW_DIGEST=all``. P's workers digest a request in the
+engine step after ``request_finished`` (the harness runs that step as vLLM's engine core does:
+``build_connector_meta``, each rank's ``start_load_kv`` and ``build_connector_worker_meta``,
+``update_connector_output``); D fetches P's digests from P's side channel once its READ is done
+and judges them before the request is handed on. The test relays ``kv_transfer_params`` from P
+to D itself, as a proxy does.
+
+Every verdict is decided by the byte oracle of ``tests/vllm_layout_harness.py`` (the values P
+wrote, read through D's own cache tensors): clean pairs agree and arrive byte-identical; each
+fault (D reads the wrong remote block ids; one byte of P's page changed after P's digest and
+before the READ; one layer of D's never written by the READ; D's page overwritten after the READ)
+is one the geometry checks all pass, and the digest names the layers the oracle finds wrong,
+and the head of the first wrong value. Skipped without vLLM and NIXL, a failure with
+``SAFEVIEW_REQUIRE_VLLM=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("SAFEVIEW_REQUIRE_VLLM") == "1":
+    import nixl  # type: ignore[import-untyped,unused-ignore]  # noqa: F401  (CI: must import)
+    import vllm  # noqa: F401
+elif importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+    pytest.skip(
+        "vLLM and NIXL are not both installed here; .ci/run tests against them",
+        allow_module_level=True,
+    )
+
+import vllm_across_harness as harness  # type: ignore[import-not-found,unused-ignore]
+
+E = harness.Engine
+MLA: dict[str, Any] = {"model": "deepseek_v2", "block_size": 16}
+LAYER = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+BLOCKS = [1, 2, 3]
+DIGEST = {"SAFEVIEW_DIGEST": "all"}
+
+P_ENGINES: dict[str, Any] = {
+    "A": E(),
+    "B": E(tp=2),
+    "H": E(tp=4),  # one KV head per rank
+    "M": E("LBNHC", tp=2, **MLA),
+    "F": E(),  # the one whose page is changed after its digest
+}
+D_ENGINES: dict[str, tuple[Any, str]] = {
+    "D1": (E(), "strict"),
+    "D2": (E(tp=2), "strict"),
+    "Dx2": (E(block_size=64), "strict"),  # D's blocks hold two of P's: vLLM reorders on receipt
+    "DM": (E("LBNHC", tp=1, **MLA), "strict"),
+    "D8": (E(tp=8), "strict"),  # more ranks than KV heads
+    "Dw": (E(), "warn"),
+}
+VALID = {
+    "identical": ("A", "D1"),
+    "tp1_to_tp2": ("A", "D2"),
+    "tp2_to_tp1": ("B", "D1"),
+    "blocks_x2_reordered": ("Ax2", "Dx2"),
+    "mla_tp2_to_tp1": ("M", "DM"),
+    "replicated_tp4_to_tp8": ("H", "D8"),
+}
+
+
+def _blocks(p: Any, d: Any) -> list[int]:
+    ratio = max(1, d.block_size // p.block_size)
+    return BLOCKS if ratio == 1 else list(range(1, 1 + len(BLOCKS) * ratio))
+
+
+@pytest.fixture(scope="module")
+def flight() -> Iterator[dict[str, Any]]:
+    models = harness.write_models(Path(tempfile.mkdtemp(prefix="safeview-models-")))
+    p_sv = harness.Child("P", models, DIGEST)
+    d_sv = harness.Child("D", models, DIGEST)
+    d_plain = harness.Child("D", models, {"SAFEVIEW_VLLM": "0"})
+    p_off = harness.Child("P", models)  # safeview, digests off: marks nothing
+    children = [p_sv, d_sv, d_plain, p_off]
+    out: dict[str, Any] = {"served": {}, "reads": {}}
+
+    def serve(child: Any, name: str, engine: Any, d: Any) -> Any:
+        answer = child.call(
+            {"op": "serve", "name": name, "engine": asdict(engine),
+             "port": harness.free_port(), "remote_blocks": _blocks(engine, d),
+             "seed": len(out["served"]) + 1}
+        )  # fmt: skip
+        assert answer["error"] is None, (answer["error"], child.tail())
+        out["served"][name] = answer
+        return answer
+
+    def read(child: Any, d_name: str, p_engine: Any, served: Any, tag: str, **extra: Any) -> Any:
+        answer = child.call(
+            {"op": "read", "name": d_name, "p": asdict(p_engine), "tag": tag,
+             "kv_transfer_params": served["kv_transfer_params"], "caches": served["caches"],
+             **extra}
+        )  # fmt: skip
+        assert answer["error"] is None, (answer["error"], child.tail())
+        out["reads"][tag] = answer
+        return answer
+
+    try:
+        for name, (engine, policy) in D_ENGINES.items():
+            answer = d_sv.call({"op": "start", "name": name, "engine": asdict(engine),
+                                "policy": policy})  # fmt: skip
+            assert answer["error"] is None, (answer["error"], d_sv.tail())
+        answer = d_plain.call({"op": "start", "name": "Dplain", "engine": asdict(E())})
+        assert answer["error"] is None, (answer["error"], d_plain.tail())
+        readers = {"A": "D1", "B": "D1", "H": "D8", "M": "DM", "F": "D1"}
+        for name, engine in P_ENGINES.items():
+            serve(p_sv, name, engine, D_ENGINES[readers[name]][0])
+        serve(p_sv, "Ax2", E(), D_ENGINES["Dx2"][0])
+        for tag, (p, d) in VALID.items():
+            read(d_sv, d, P_ENGINES.get(p, E()), out["served"][p], tag)
+        # the faults, each on a request whose geometry every check passes
+        a = out["served"]["A"]
+        wrong = {**a, "kv_transfer_params": {**a["kv_transfer_params"],
+                                             "remote_block_ids": [[2, 3, 4]]}}  # fmt: skip
+        read(d_sv, "D1", E(), wrong, "wrong_block_ids", oracle_blocks=BLOCKS)
+        changed = p_sv.call({"op": "flip", "name": "F", "rank": 0, "layer": LAYER[1],
+                             "block": BLOCKS[2], "head": 2, "token": 5, "byte": 9})  # fmt: skip
+        assert changed["error"] is None, changed
+        read(d_sv, "D1", E(), out["served"]["F"], "p_changed_after_digest")
+        read(d_sv, "D1", E(), a, "layer_never_written",
+             fault={"kind": "unwritten", "layer": LAYER[2]})  # fmt: skip
+        read(d_sv, "D1", E(), a, "d_overwritten_after_read",
+             fault={"kind": "overwritten", "layer": LAYER[0], "block": 1})  # fmt: skip
+        read(d_sv, "Dw", E(), a, "d_overwritten_warn",
+             fault={"kind": "overwritten", "layer": LAYER[0], "block": 1})  # fmt: skip
+        read(d_sv, "D1", E(), a, "after_the_faults")
+        # mixed: a D without safeview reads a request P digested; a P whose digests are off
+        read(d_plain, "Dplain", E(), a, "d_without_safeview")
+        off = serve(p_off, "O", E(), E())
+        read(d_sv, "D1", E(), off, "p_digests_off")
+        # a mark a proxy added to a request P never digested: not judged, the request goes on
+        forged = {**off, "kv_transfer_params": {**off["kv_transfer_params"],
+                                                "safeview_digest": 1}}  # fmt: skip
+        read(d_sv, "D1", E(), forged, "forged_mark")
+        yield out
+    finally:
+        for child in children:
+            child.exit()
+
+
+def _digest_events(answer: dict[str, Any], name: str | None = None) -> list[dict[str, Any]]:
+    names = (name,) if name else ("digest_checked", "digest_mismatch")
+    return [e for e in answer["events"] if e["event"] in names]
+
+
+def _wrong_layers(read: dict[str, Any]) -> list[str]:
+    return [name for name, layer in read["oracle"]["layers"].items() if layer["wrong"]]
+
+
+# -- P digests, D agrees ------------------------------------------------------------------------
+
+
+def test_p_marks_each_sampled_request_and_every_rank_digests_it_in_the_next_step(
+    flight: dict[str, Any],
+) -> None:
+    for name, engine in P_ENGINES.items():
+        served = flight["served"][name]
+        assert served["kv_transfer_params"]["safeview_digest"] == 1
+        assert served["digests"][f"{name}-request"] == list(range(engine.tp)), name
+    off = flight["served"]["O"]
+    assert "safeview_digest" not in off["kv_transfer_params"]
+    assert off["digests"] == {}
+
+
+@pytest.mark.parametrize("tag", VALID)
+def test_a_valid_pair_agrees_and_arrives_byte_identical(flight: dict[str, Any], tag: str) -> None:
+    answer = flight["reads"][tag]
+    for read in answer["reads"]:
+        assert (read["done"], read["failed"]) == (True, False), read
+        assert read["oracle"]["ok"], read["oracle"]
+    events = _digest_events(answer)
+    # one verdict per D rank, each on the heads that rank holds
+    assert [e["verdict"] for e in events] == ["agree"] * len(answer["reads"]), events
+    assert all(e["layers"] == 3 and e["num_tokens"] > 0 for e in events)
+
+
+# -- faults the geometry passes, caught and named -----------------------------------------------
+
+
+FAULTS = [
+    "wrong_block_ids",
+    "p_changed_after_digest",
+    "layer_never_written",
+    "d_overwritten_after_read",
+]
+
+
+@pytest.mark.parametrize("tag", FAULTS)
+def test_a_fault_is_caught_named_and_fails_only_that_request_under_strict(
+    flight: dict[str, Any], tag: str
+) -> None:
+    [read] = flight["reads"][tag]["reads"]
+    wrong = _wrong_layers(read)
+    assert wrong, read["oracle"]  # the oracle: the bytes are wrong
+    assert (read["done"], read["failed"]) == (True, True)
+    [event] = _digest_events(flight["reads"][tag], "digest_mismatch")
+    assert event["level"] == "error"
+    assert event["action"] == "refused"
+    assert event["layer"] == wrong[0]  # the first layer the oracle finds wrong
+    first = read["oracle"]["layers"][wrong[0]]["first_wrong"]
+    assert first["global_head"] in event["layer_heads"]
+    assert event["findings"] >= len(wrong)
+    assert event["request"] == f"{tag}-0"
+    # D goes on: the next request reads and agrees
+    [after] = flight["reads"]["after_the_faults"]["reads"]
+    assert (after["done"], after["failed"]) == (True, False)
+    assert after["oracle"]["ok"]
+
+
+def test_the_layer_p_changed_is_the_only_one_named(flight: dict[str, Any]) -> None:
+    [event] = _digest_events(flight["reads"]["p_changed_after_digest"], "digest_mismatch")
+    assert (event["layer"], event["layer_heads"], event["findings"]) == (LAYER[1], [2], 1)
+
+
+def test_under_warn_an_overwritten_page_is_an_event_and_the_request_goes_on(
+    flight: dict[str, Any],
+) -> None:
+    [read] = flight["reads"]["d_overwritten_warn"]["reads"]
+    assert _wrong_layers(read) == [LAYER[0]]
+    assert (read["done"], read["failed"]) == (True, False)
+    [event] = _digest_events(flight["reads"]["d_overwritten_warn"], "digest_mismatch")
+    assert (event["level"], event["action"], event["layer"]) == ("warning", "none", LAYER[0])
+
+
+# -- peers without it ---------------------------------------------------------------------------
+
+
+def test_a_d_without_safeview_reads_a_digested_request_byte_identical(
+    flight: dict[str, Any],
+) -> None:
+    [read] = flight["reads"]["d_without_safeview"]["reads"]
+    assert (read["done"], read["failed"]) == (True, False)
+    assert read["oracle"]["ok"]
+    assert not _digest_events(flight["reads"]["d_without_safeview"])
+
+
+def test_a_request_p_did_not_digest_is_read_as_before(flight: dict[str, Any]) -> None:
+    [read] = flight["reads"]["p_digests_off"]["reads"]
+    assert (read["done"], read["failed"]) == (True, False)
+    assert read["oracle"]["ok"]
+    assert not _digest_events(flight["reads"]["p_digests_off"])
+
+
+def test_a_forged_mark_is_not_judged_and_the_request_goes_on(flight: dict[str, Any]) -> None:
+    [read] = flight["reads"]["forged_mark"]["reads"]
+    assert (read["done"], read["failed"]) == (True, False)
+    [event] = _digest_events(flight["reads"]["forged_mark"])
+    assert (event["event"], event["verdict"]) == ("digest_checked", "not_judged")
+    assert "did not come" in event["reason"]
