@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from safeview.errors import ArgumentError, LayoutMismatchError, ManifestError
 from safeview.findings import Finding
-from safeview.manifest import CONNECTOR_RULES, Layer, Manifest, _nixl_rules
+from safeview.manifest import CONNECTOR_RULES, Layer, Manifest, Topology, _nixl_rules
 
 if TYPE_CHECKING:
     import numpy as np
@@ -290,6 +290,8 @@ def _compare_pieces(
     ratio: int,
     permute: bool,
 ) -> _Result:
+    if _copied_whole(receiver, senders, pieces, ratio, permute):
+        return None
     key = (
         "pieces",
         receiver.fingerprint,
@@ -299,6 +301,30 @@ def _compare_pieces(
         permute,
     )
     return _remembered(key, lambda: _fill_and_compare(receiver, senders, pieces, ratio, permute))
+
+
+def _copied_whole(
+    receiver: Layer,
+    senders: tuple[Layer, ...],
+    pieces: tuple[_nixl_rules.Piece, ...],
+    ratio: int,
+    permute: bool,
+) -> bool:
+    """Whether the transfer is one whole page, unpermuted, from a sender layer of the same page
+    meaning (fingerprint): receiver byte ``k`` then holds the sender's byte ``k``, which means
+    what the receiver reads it as by construction (``_decode_page`` reads nothing but what the
+    fingerprint hashes), so there is nothing to compare. The same reasoning as ``_pair``'s for a
+    page copy; it spares a first judgement the decoding of two pages per distinct layout."""
+    if ratio != 1 or permute or len(pieces) != 1:
+        return False
+    piece = pieces[0]
+    return (
+        piece.receiver_start == 0
+        and piece.sender_start == 0
+        and piece.sub_block == 0
+        and piece.length == receiver.page_bytes
+        and senders[0].fingerprint == receiver.fingerprint
+    )
 
 
 def _fill_and_compare(
@@ -620,6 +646,12 @@ def _byte_finding(
     )
 
 
+# What one layer of a D rank comes to under vLLM's NIXL rule, whatever its name: nothing (None),
+# left out (its sender rank is missing as a whole), or a finding's kind and its name-free fields
+_Outcome = tuple[Any, ...] | None
+_LEFT_OUT: _Outcome = ("left_out",)
+
+
 def _nixl_rank(
     rank: int,
     manifest: Manifest,
@@ -627,76 +659,116 @@ def _nixl_rank(
     skipped: dict[str, str],
     gone: set[int],
 ) -> list[Finding]:
-    """vLLM NIXL: every layer of D rank ``rank`` against the P ranks vLLM reads it from."""
+    """vLLM NIXL: every layer of D rank ``rank`` against the P ranks vLLM reads it from.
+
+    What a layer comes to depends on its page meaning and its senders' (their fingerprints,
+    which hash kind, dtype, page bytes, axes and heads: all that the plan and the comparison
+    read), never on its name: it is worked out once per distinct set of fingerprints (100
+    layers of one shape: once) and each layer's finding is made with its own name, in name
+    order as before."""
     mine = manifest.topology
     theirs = next(iter(senders.values())).topology
+    sides = tuple(senders.items())
+    outcomes: dict[tuple[Any, ...], _Outcome] = {}
     findings: list[Finding] = []
+    where = f" (receiver rank {rank})"
     for name in sorted(manifest.layers):
         layer = manifest.layers[name]
         if layer.kind == "state":
             skipped[name] = "state (Mamba) layers move by vLLM's ssm_sizes rules, not judged here"
             continue
-        first = next((m.layers.get(name) for m in senders.values() if name in m.layers), None)
-        if first is None:
-            continue
-        total = mine.total_kv_heads or theirs.total_kv_heads
-        if total is None:
-            total = len(layer.heads) * mine.tp_size if layer.heads else 1
-        replicated = layer.kind == "latent"
-        plan = _nixl_rules.plan_layer(
-            tp_rank=rank,
-            tp_size=mine.tp_size,
-            remote_tp_size=theirs.tp_size,
-            total_kv_heads=total,
-            block_tokens=layer.size_of("token"),
-            remote_block_tokens=first.size_of("token"),
-            page_bytes=layer.page_bytes,
-            remote_page_bytes=first.page_bytes,
-            replicated=replicated,
-            block_contiguous=_block_contiguous(layer, mine.layout),
-            layout=mine.layout,
-            remote_layout=theirs.layout,
-        )
-        where = f" (receiver rank {rank})"
-        if plan.refused is not None:
-            findings.append(
-                Finding.refused(
-                    name,
-                    connector="vLLM's NIXL connector",
-                    reason=plan.refused,
-                    receiver_rank=rank,
-                    where=where,
-                )
-            )
-            continue
-        sources = tuple(dict.fromkeys(piece.sender_rank for piece in plan.pieces))
-        missing = [s for s in sources if s not in senders or name not in senders[s].layers]
-        if missing and all(s in gone for s in missing):
-            continue  # its whole rank is missing: one finding says so, not one per layer
-        if missing:
-            findings.append(
-                Finding.missing_rank(
-                    name, rank=missing[0], receiver_rank=rank, sender_ranks=sources, where=where
-                )
-            )
-            continue
-        theirs_layers = tuple(senders[piece.sender_rank].layers[name] for piece in plan.pieces)
-        dtypes = {other.dtype for other in theirs_layers}
-        if dtypes != {layer.dtype}:
-            findings.append(
-                Finding.diff_dtype(
-                    name,
-                    reads=layer.dtype,
-                    wrote=", ".join(sorted(dtypes)),
-                    receiver_rank=rank,
-                    sender_ranks=sources,
-                    where=where,
-                )
-            )
-            continue
-        found = _compare_pieces(layer, theirs_layers, plan.pieces, plan.ratio, plan.permute)
-        if found is not None:
-            rule: Rule = "vllm_nixl"
-            at = f"{where}, from sender ranks {list(sources)}"
-            findings.append(_byte_finding(name, found, rule, at, rank, sources))
+        sent = tuple(m.layers.get(name) for _, m in sides)
+        key = (layer.fingerprint, *(None if other is None else other.fingerprint for other in sent))
+        if key in outcomes:
+            outcome = outcomes[key]
+        else:
+            outcome = outcomes[key] = _nixl_layer(rank, layer, sides, sent, mine, theirs, gone)
+        if outcome is not None and outcome is not _LEFT_OUT:
+            findings.append(_nixl_finding(name, outcome, rank, where))
     return findings
+
+
+def _nixl_layer(
+    rank: int,
+    layer: Layer,
+    sides: tuple[tuple[int, Manifest], ...],
+    sent: tuple[Layer | None, ...],
+    mine: Topology,
+    theirs: Topology,
+    gone: set[int],
+) -> _Outcome:
+    """What one layer of D rank ``rank`` comes to (``sent``: the layer of that name on each
+    sender rank of ``sides``, ``None`` where it has none), without its name."""
+    first = next((other for other in sent if other is not None), None)
+    if first is None:
+        return None
+    total = mine.total_kv_heads or theirs.total_kv_heads
+    if total is None:
+        total = len(layer.heads) * mine.tp_size if layer.heads else 1
+    replicated = layer.kind == "latent"
+    plan = _nixl_rules.plan_layer(
+        tp_rank=rank,
+        tp_size=mine.tp_size,
+        remote_tp_size=theirs.tp_size,
+        total_kv_heads=total,
+        block_tokens=layer.size_of("token"),
+        remote_block_tokens=first.size_of("token"),
+        page_bytes=layer.page_bytes,
+        remote_page_bytes=first.page_bytes,
+        replicated=replicated,
+        block_contiguous=_block_contiguous(layer, mine.layout),
+        layout=mine.layout,
+        remote_layout=theirs.layout,
+    )
+    if plan.refused is not None:
+        return ("refused", plan.refused)
+    by_rank = {sender_rank: other for (sender_rank, _), other in zip(sides, sent)}
+    sources = tuple(dict.fromkeys(piece.sender_rank for piece in plan.pieces))
+    missing = [s for s in sources if by_rank.get(s) is None]
+    if missing and all(s in gone for s in missing):
+        return _LEFT_OUT  # its whole rank is missing: one finding says so, not one per layer
+    if missing:
+        return ("missing_rank", missing[0], sources)
+    theirs_layers = tuple(by_rank[piece.sender_rank] for piece in plan.pieces)
+    dtypes = {other.dtype for other in theirs_layers if other is not None}
+    if dtypes != {layer.dtype}:
+        return ("dtype", layer.dtype, ", ".join(sorted(dtypes)), sources)
+    found = _compare_pieces(
+        layer,
+        tuple(other for other in theirs_layers if other is not None),
+        plan.pieces,
+        plan.ratio,
+        plan.permute,
+    )
+    return None if found is None else ("byte", found, sources)
+
+
+def _nixl_finding(name: str, outcome: tuple[Any, ...], rank: int, where: str) -> Finding:
+    """Layer ``name``'s finding of an outcome of ``_nixl_layer``."""
+    if outcome[0] == "refused":
+        return Finding.refused(
+            name,
+            connector="vLLM's NIXL connector",
+            reason=outcome[1],
+            receiver_rank=rank,
+            where=where,
+        )
+    if outcome[0] == "missing_rank":
+        _, missing, sources = outcome
+        return Finding.missing_rank(
+            name, rank=missing, receiver_rank=rank, sender_ranks=sources, where=where
+        )
+    if outcome[0] == "dtype":
+        _, reads, wrote, sources = outcome
+        return Finding.diff_dtype(
+            name,
+            reads=reads,
+            wrote=wrote,
+            receiver_rank=rank,
+            sender_ranks=sources,
+            where=where,
+        )
+    _, found, sources = outcome
+    rule: Rule = "vllm_nixl"
+    at = f"{where}, from sender ranks {list(sources)}"
+    return _byte_finding(name, found, rule, at, rank, sources)
