@@ -455,16 +455,21 @@ _PAIR_KEYS = (
 )  # fmt: skip
 
 
+def _in_order(fields: dict[str, Any], keys: tuple[str, ...], what: str) -> dict[str, Any]:
+    """``fields`` in the table's order ``keys``; a missing or unknown one is safeview's own
+    bug, a ``TypeError`` naming it."""
+    if set(fields) != set(keys):
+        raise TypeError(f"{what} are not {keys}: {sorted(set(fields) ^ set(keys))}")
+    return {key: fields[key] for key in keys}
+
+
 def _pair(fields: dict[str, Any]) -> dict[str, Any]:
     """The pair's fields in table order (sequences as lists); a missing or unknown one is
     safeview's own bug, a ``TypeError`` naming it."""
     fields.setdefault("remote_fingerprints", ())
     fields.setdefault("layers", 0)
     fields.setdefault("findings", 0)
-    if set(fields) != set(_PAIR_KEYS):
-        wrong = sorted(set(fields) ^ set(_PAIR_KEYS))
-        raise TypeError(f"a layout event's pair fields are not {_PAIR_KEYS}: {wrong}")
-    pair = {key: fields[key] for key in _PAIR_KEYS}
+    pair = _in_order(fields, _PAIR_KEYS, "a layout event's pair fields")
     for key in ("manifests", "remote_fingerprints"):
         pair[key] = list(pair[key])
     return pair
@@ -536,15 +541,6 @@ _DIGEST_KEYS = (
 )  # fmt: skip
 
 
-def _digest_fields(fields: dict[str, Any]) -> dict[str, Any]:
-    """A digest event's fields in table order; a missing or unknown one is safeview's own bug,
-    a ``TypeError`` naming it."""
-    if set(fields) != set(_DIGEST_KEYS):
-        wrong = sorted(set(fields) ^ set(_DIGEST_KEYS))
-        raise TypeError(f"a digest event's fields are not {_DIGEST_KEYS}: {wrong}")
-    return {key: fields[key] for key in _DIGEST_KEYS}
-
-
 def digest_checked(*, verdict: Literal["agree", "not_judged"], **fields: Any) -> None:
     """``digest_checked`` (INFO for ``agree``, WARNING for ``not_judged``): what a receiver holds
     of a request was compared with what its sender digested (``safeview.manifest.digest.judge``:
@@ -552,7 +548,14 @@ def digest_checked(*, verdict: Literal["agree", "not_judged"], **fields: Any) ->
     compared (``reason``). ``fields``: ``_DIGEST_KEYS``."""
     level = logging.INFO if verdict == "agree" else logging.WARNING
     if stdlib_logger.isEnabledFor(level):
-        _emit(level, {"event": "digest_checked", **_digest_fields(fields), "verdict": verdict})
+        _emit(
+            level,
+            {
+                "event": "digest_checked",
+                **_in_order(fields, _DIGEST_KEYS, "a digest event's fields"),
+                "verdict": verdict,
+            },
+        )
 
 
 def digest_mismatch(finding: Any, *, strict: bool, findings: int, **fields: Any) -> None:
@@ -565,7 +568,7 @@ def digest_mismatch(finding: Any, *, strict: bool, findings: int, **fields: Any)
         level,
         {
             "event": "digest_mismatch",
-            **_digest_fields(fields),
+            **_in_order(fields, _DIGEST_KEYS, "a digest event's fields"),
             "verdict": "mismatch",
             "findings": findings,
             "kind": finding.kind,

@@ -81,11 +81,6 @@ VALID = {
 ALONE = "replicated_h8_tp8_to_tp16"
 
 
-def _blocks(p: Any, d: Any) -> list[int]:
-    ratio = max(1, d.block_size // p.block_size)
-    return BLOCKS if ratio == 1 else list(range(1, 1 + len(BLOCKS) * ratio))
-
-
 @pytest.fixture(scope="module")
 def across() -> Iterator[dict[str, Any]]:
     models = harness.write_models(Path(tempfile.mkdtemp(prefix="safeview-models-")))
@@ -101,7 +96,8 @@ def across() -> Iterator[dict[str, Any]]:
     def serve(child: Any, key: str, name: str, engine: Any, fault: str | None, d: Any) -> Any:
         answer = child.call(
             {"op": "serve", "name": name, "engine": asdict(engine), "port": ports[key],
-             "fault": fault, "remote_blocks": _blocks(engine, d), "seed": len(out["served"])}
+             "fault": fault, "remote_blocks": harness.remote_blocks(engine, d, BLOCKS),
+             "seed": len(out["served"])}
         )  # fmt: skip
         assert answer["error"] is None, (answer["error"], child.tail())
         out["served"][name] = answer

@@ -69,11 +69,6 @@ VALID = {
 }
 
 
-def _blocks(p: Any, d: Any) -> list[int]:
-    ratio = max(1, d.block_size // p.block_size)
-    return BLOCKS if ratio == 1 else list(range(1, 1 + len(BLOCKS) * ratio))
-
-
 @pytest.fixture(scope="module")
 def flight() -> Iterator[dict[str, Any]]:
     models = harness.write_models(Path(tempfile.mkdtemp(prefix="safeview-models-")))
@@ -87,7 +82,8 @@ def flight() -> Iterator[dict[str, Any]]:
     def serve(child: Any, name: str, engine: Any, d: Any) -> Any:
         answer = child.call(
             {"op": "serve", "name": name, "engine": asdict(engine),
-             "port": harness.free_port(), "remote_blocks": _blocks(engine, d),
+             "port": harness.free_port(),
+             "remote_blocks": harness.remote_blocks(engine, d, BLOCKS),
              "seed": len(out["served"]) + 1}
         )  # fmt: skip
         assert answer["error"] is None, (answer["error"], child.tail())

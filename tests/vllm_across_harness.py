@@ -170,6 +170,12 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+def remote_blocks(p: Engine, d: Engine, blocks: list[int]) -> list[int]:
+    """The P blocks a request of ``blocks`` sends to D: as many more as D's blocks hold P's."""
+    ratio = max(1, d.block_size // p.block_size)
+    return blocks if ratio == 1 else list(range(1, 1 + len(blocks) * ratio))
+
+
 def write_models(folder: Path) -> Path:
     """The models' ``config.json`` files (``vllm_nixl_harness``'s, and ``LLAMA_8``), in
     ``folder``, for both sides: the one place P and D share, as two machines share a model's
@@ -546,4 +552,6 @@ if __name__ == "__main__":
     _main(sys.argv[1])
 
 
-__all__ = ["LOCAL_BLOCKS", "RESULT_PREFIX", "Child", "Engine", "asdict", "free_port"]
+__all__ = [
+    "LOCAL_BLOCKS", "RESULT_PREFIX", "Child", "Engine", "asdict", "free_port", "remote_blocks",
+]  # fmt: skip
