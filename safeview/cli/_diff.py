@@ -189,6 +189,7 @@ def _fetched(url: str) -> bytes:
         with opener.open(url, timeout=10) as response:
             body: bytes = response.read(MAX_SOURCE_BYTES + 1)
     except urllib.error.HTTPError as error:
+        error.close()  # it holds the response, and with it the connection
         why = "nothing is stored under that key" if error.code == 404 else error.reason
         raise ManifestError(
             _shown(url), None, f"cannot be fetched: HTTP {error.code} ({why})"

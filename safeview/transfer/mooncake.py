@@ -179,6 +179,7 @@ def _fetch(metadata_server: str, segment: str) -> bytes | None:
             data: bytes = answer.read(WIRE_CAP_BYTES + 1)
             return data
     except urllib.error.HTTPError as error:
+        error.close()  # it holds the response, and with it the connection
         if error.code == 404:
             return None
         raise
