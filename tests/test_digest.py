@@ -9,9 +9,12 @@ bytes with numpy (no layout read at all)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +27,7 @@ from hypothesis import strategies as st
 
 import safeview
 from safeview.errors import ArgumentError, ManifestError
-from safeview.manifest import describe, heads_of_rank
+from safeview.manifest import _digest_torch, describe, heads_of_rank
 from safeview.manifest.digest import (
     DIGEST_CAP_BYTES,
     PRIME,
@@ -36,6 +39,7 @@ from safeview.manifest.digest import (
     piece_count,
     row_weights,
 )
+from safeview.vllm._background import Background
 
 LAYOUTS = {
     # name: axes in shape order, and how a tensor of it is allocated and read logically
@@ -269,6 +273,28 @@ def test_bytes_past_the_request_and_in_other_blocks_are_not_its_meaning() -> Non
     # and position 19 is
     logical[d.blocks[1], 1, 3].view(torch.uint8).add_(1)
     assert [f.heads for f in safeview.verify(sent, _digests(d, 20))] == [(0, 1)]
+
+
+def test_a_request_of_many_scattered_blocks_is_gathered_in_batches_and_digests_as_the_formula(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More runs of consecutive ids than are read in place: on CPU the pages are gathered in
+    address order, a few at a time (batches of two pages here, so that a small request takes
+    many), and each block's products put back in the request's order: the formula's value."""
+    monkeypatch.setattr(_digest_torch, "_CHUNK_BYTES", 2 * 8 * 16)  # two pages' K (or V) part
+    content = _content(layers=2, positions=70, heads=2, size=8, dtype=torch.float16, seed=31)
+    p = _side(content, tp=1, tokens=4, layout="HND", heads=2, seed=32)
+    d = _side(content, tp=2, tokens=8, layout="LBNHC", heads=2, seed=33)
+    for side in (p, d):  # the gathered path, with ids out of address order
+        assert len(_digest_torch._runs(side.blocks)) > _digest_torch._MAX_RUNS
+        assert side.blocks != sorted(side.blocks)
+    sent, received = _digests(p, 70), _digests(d, 70)
+    assert sent[0].values == _reference(content, 70, heads=2)
+    assert safeview.verify(sent, received) == []
+    # a block's products put back at another position would be another meaning
+    d.logical[1]["model.layers.1.attn"][d.blocks[6], 1, 2, 0].view(torch.uint8).add_(1)
+    findings = safeview.verify(sent, _digests(d, 70))
+    assert [(f.layer, f.heads) for f in findings] == [("model.layers.1.attn", (1,))]
 
 
 # -- faults every geometric check passes --------------------------------------------------------
@@ -507,3 +533,58 @@ def test_a_bad_safeview_digest_is_one_warning_and_digests_stay_off() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.startswith("sample:16 0")
+
+
+# -- a guest in the host's process ----------------------------------------------------------------
+
+
+def test_d_fetches_p_digests_in_one_daemon_thread_that_hands_back_results_and_errors() -> None:
+    background = Background("safeview-digest")
+    added = background.submit(lambda a, b: a + b, 2, 3)
+    refused = background.submit(int, "not a number")
+    assert added.result(timeout=10) == 5
+    with pytest.raises(ValueError, match="not a number"):
+        refused.result(timeout=10)
+    assert background.thread is not None
+    assert background.thread.daemon
+
+
+def test_the_background_thread_keeps_nothing_of_a_call_it_has_done() -> None:
+    """A call's function and arguments (D's judgement holds its worker, and so its NIXL agent
+    and that agent's threads) are let go once it is done, not kept until the next call."""
+
+    class Worker:
+        pass
+
+    worker = Worker()
+    alive = weakref.ref(worker)
+    background = Background("safeview-handshake")
+    background.submit(lambda held: type(held).__name__, worker).result(timeout=10)
+    del worker
+    for _ in range(500):  # the thread returns from the call just after it hands the result
+        gc.collect()
+        if alive() is None:
+            break
+        time.sleep(0.01)
+    assert alive() is None
+
+
+def test_a_fetch_still_waiting_for_p_never_holds_up_the_hosts_exit() -> None:
+    """A ``ThreadPoolExecutor``'s worker is joined at exit: the host would wait out the fetch
+    (here 60 s) before it could exit."""
+    code = (
+        "import threading, time\n"
+        "from safeview.vllm._background import Background\n"
+        "started = threading.Event()\n"
+        "def fetch():\n"
+        "    started.set()\n"
+        "    time.sleep(60)\n"
+        "Background('safeview-digest').submit(fetch)\n"
+        "assert started.wait(30)\n"
+        "print('exiting')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=40, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exiting"

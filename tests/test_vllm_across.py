@@ -106,7 +106,8 @@ def across() -> Iterator[dict[str, Any]]:
     def read(child: Any, d_name: str, p_engine: Any, served: Any, tag: str) -> Any:
         answer = child.call(
             {"op": "read", "name": d_name, "p": asdict(p_engine), "tag": tag,
-             "kv_transfer_params": served["kv_transfer_params"], "caches": served["caches"]}
+             "kv_transfer_params": served["kv_transfer_params"], "caches": served["caches"],
+             "p_agents": served["agents"]}
         )  # fmt: skip
         assert answer["error"] is None, (answer["error"], child.tail())
         out["reads"][tag] = answer
@@ -198,6 +199,7 @@ def _arrived(answer: dict[str, Any]) -> None:
     for read in answer["reads"]:
         assert (read["done"], read["failed"]) == (True, False), read
         assert read["oracle"]["ok"], read["oracle"]
+        assert any(read["p_agents_loaded"]), read  # D holds the P agent(s) it read from
 
 
 # -- what travels ------------------------------------------------------------------------------
@@ -265,6 +267,8 @@ def test_a_layer_that_contradicts_its_layout_string_is_refused_from_the_handshak
     answer = across["reads"]["permuted_layer"]
     [read] = answer["reads"]
     assert (read["done"], read["failed"], read["untouched"]) == (True, True, True)
+    # judged while NIXL loaded P's agent, and the refused P's agent removed again
+    assert read["p_agents_loaded"] == [False]
     [error] = answer["handshake_errors"]
     assert (error["type"], error["is_safeview_error"]) == ("LayoutMismatchError", True)
     assert error["attributes"]["layer"] == LAYER_1

@@ -7,11 +7,15 @@ and judges them before the request is handed on. The test relays ``kv_transfer_p
 to D itself, as a proxy does.
 
 Every verdict is decided by the byte oracle of ``tests/vllm_layout_harness.py`` (the values P
-wrote, read through D's own cache tensors): clean pairs agree and arrive byte-identical; each
-fault (D reads the wrong remote block ids; one byte of P's page changed after P's digest and
-before the READ; one layer of D's never written by the READ; D's page overwritten after the READ)
-is one the geometry checks all pass, and the digest names the layers the oracle finds wrong,
-and the head of the first wrong value. Skipped without vLLM and NIXL, a failure with
+wrote, read through D's own cache tensors): clean pairs agree and arrive byte-identical (the
+same engines; TP 1 to 2 and 2 to 1; D's blocks holding two of P's; MLA; replicated heads, TP 4
+to 8; P's ``LBHNC`` into D's ``LBNHC``, which vLLM permutes on receipt where D's
+``kv_transfer_config`` says ``enable_permute_local_kv``: safeview leaves that pair's layouts,
+and its requests' tokens, to vLLM, and the digest, taken after vLLM's permutation, agrees);
+each fault (D reads the wrong remote block ids; one byte of P's page changed after P's digest
+and before the READ; one layer of D's never written by the READ; D's page overwritten after
+the READ) is one the geometry checks all pass, and the digest names the layers the oracle finds
+wrong, and the head of the first wrong value. Skipped without vLLM and NIXL, a failure with
 ``SAFEVIEW_REQUIRE_VLLM=1``.
 """
 
@@ -57,6 +61,8 @@ D_ENGINES: dict[str, tuple[Any, str]] = {
     "Dx2": (E(block_size=64), "strict"),  # D's blocks hold two of P's: vLLM reorders on receipt
     "DM": (E("LBNHC", tp=1, **MLA), "strict"),
     "D8": (E(tp=8), "strict"),  # more ranks than KV heads
+    # LBNHC reading P's LBHNC: vLLM permutes HND -> NHD on receipt (enable_permute_local_kv)
+    "Dp": (E("LBNHC", permute_local_kv=True), "strict"),
     "Dw": (E(), "warn"),
 }
 VALID = {
@@ -66,6 +72,7 @@ VALID = {
     "blocks_x2_reordered": ("Ax2", "Dx2"),
     "mla_tp2_to_tp1": ("M", "DM"),
     "replicated_tp4_to_tp8": ("H", "D8"),
+    "lbhnc_to_lbnhc_permuted_on_receipt": ("A", "Dp"),
 }
 
 
@@ -177,6 +184,26 @@ def test_a_valid_pair_agrees_and_arrives_byte_identical(flight: dict[str, Any], 
     # one verdict per D rank, each on the heads that rank holds
     assert [e["verdict"] for e in events] == ["agree"] * len(answer["reads"]), events
     assert all(e["layers"] == 3 and e["num_tokens"] > 0 for e in events)
+
+
+def test_vllm_permutes_the_pair_and_safeview_leaves_its_layouts_to_it(
+    flight: dict[str, Any],
+) -> None:
+    answer = flight["reads"]["lbhnc_to_lbnhc_permuted_on_receipt"]
+    # vLLM's handshake with P (LBHNC) made D (LBNHC) permute P's pages on receipt
+    assert [read["permute_local_kv"] for read in answer["reads"]] == [True]
+    # and for no other pair
+    others = [r for tag, a in flight["reads"].items() if tag != "lbhnc_to_lbnhc_permuted_on_receipt"
+              for r in a["reads"]]  # fmt: skip
+    assert not any(read["permute_local_kv"] for read in others)
+    [event] = [e for e in answer["events"]
+               if e["event"] == "layout_checked" and e["when"] == "handshake"]  # fmt: skip
+    assert event["verdict"] == "not_judged", event
+    assert "enable_permute_local_kv" in event["reason"]
+    assert not answer["handshake_errors"]
+    # nor is the request's token judged: no layout event at the request, the read went on
+    assert [e for e in answer["events"] if e["event"].startswith("layout_") and
+            e["when"] == "request"] == []  # fmt: skip
 
 
 # -- faults the geometry passes, caught and named -----------------------------------------------

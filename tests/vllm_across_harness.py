@@ -30,8 +30,10 @@ D's commands:
 - ``read``: hand every D rank one request whose ``kv_transfer_params`` are P's, relayed
   verbatim, through ``NixlConnectorMetadata.add_new_req_to_recv`` (what D's scheduler does
   with a request's params) into D's ``LOCAL_BLOCKS`` (zeroed first), let vLLM do the handshake
-  and the READ, and answer per rank whether the request finished or failed, the oracle, and
-  whether D's blocks stayed untouched; with the events safeview emitted meanwhile;
+  and the READ, and answer per rank whether the request finished or failed, the oracle,
+  whether D's blocks stayed untouched, and whether vLLM's handshake with P made the rank permute
+  P's pages on receipt (``enable_permute_local_kv``); with the events safeview emitted
+  meanwhile;
 - ``stop``: as P's;
 - ``exit``.
 
@@ -242,6 +244,8 @@ class _Serve:
             "payload_bytes": len(payload),
             "errors": errors,
             "digests": digests,
+            # each rank's NIXL agent name: a D that loaded P's agent knows it by that name
+            "agents": [str(side.worker.nixl_wrapper.name) for side in sides],
         }
 
     def finish(self, command: dict[str, Any]) -> dict[str, Any]:
@@ -372,6 +376,13 @@ class _Read:
             outcome["oracle"] = layout._oracle(p_engine, engine, p_sides, d, rank, remote_blocks,
                                                LOCAL_BLOCKS)  # fmt: skip
             outcome["untouched"] = layout._untouched(d, LOCAL_BLOCKS)
+            # whether vLLM's handshake with P made this rank permute P's pages on receipt
+            outcome["permute_local_kv"] = bool(getattr(d.worker, "enable_permute_local_kv", False))
+            # which of P's agents D's NIXL agent holds after the read (a refused P's: none)
+            outcome["p_agents_loaded"] = [
+                bool(d.worker.nixl_wrapper.check_remote_metadata(agent))
+                for agent in command.get("p_agents", [])
+            ]
             reads.append(outcome)
         return {"reads": reads, "handshake_errors": list(errors)}
 

@@ -69,6 +69,9 @@ class Engine:
     # each layer's own KV heads (a model whose layers hold different numbers: two page sizes
     # in one cache), the model's config still saying TOTAL_HEADS; None: TOTAL_HEADS each
     layer_heads: tuple[int, ...] | None = None
+    # the engine's kv_transfer_config says enable_permute_local_kv: a decode engine of LBNHC
+    # reads a prefill engine of LBHNC, and vLLM permutes the pages HND -> NHD on receipt
+    permute_local_kv: bool = False
 
     @property
     def mla(self) -> bool:
@@ -92,7 +95,7 @@ class Engine:
 
     def case(self) -> Any:
         heads = tuple(None if self.mla else self.heads(layer) for layer in range(LAYERS))
-        return base.Case(self.model, self.layout, heads, self.block_size)
+        return base.Case(self.model, self.layout, heads, self.block_size, self.permute_local_kv)
 
 
 @dataclass(frozen=True)

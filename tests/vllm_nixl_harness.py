@@ -116,12 +116,15 @@ class Case:
     64), or ``None`` for an MLA layer (one latent of 576 values); ``block_size`` in tokens, one
     that vLLM's CPU backend for the layers takes as its kernel block (CPU_ATTN: multiples of 32;
     CPU_MLA, named in the config so that a CPU with AMX does not pick AMX_MLA's multiples of 32:
-    16), so that the worker's blocks are the allocator's."""
+    16), so that the worker's blocks are the allocator's. ``permute_local_kv``: the engine's
+    ``kv_transfer_config`` says ``enable_permute_local_kv`` (a decode engine of ``LBNHC`` that
+    reads a prefill engine of ``LBHNC`` and permutes the pages on receipt)."""
 
     model: str  # "llama" or "deepseek_v2"
     layout: str  # a vllm.v1.kv_cache_layout.KVCacheLayout name
     heads: tuple[int | None, ...]
     block_size: int
+    permute_local_kv: bool = False
 
     def page_bytes(self, layer: int) -> int:
         """Bytes of one block of layer ``layer`` (fp16)."""
@@ -280,6 +283,13 @@ class _Child:
         # multiple of 32) and CPU_MLA elsewhere (blocks of exactly 16, forced): naming CPU_MLA
         # makes an MLA engine the same 16-token engine on every machine, with or without AMX
         backend = AttentionBackendEnum.CPU_MLA if case.model == "deepseek_v2" else None
+        transfer: dict[str, Any] = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "engine_id": engine_id,
+        }
+        if case.permute_local_kv:
+            transfer["enable_permute_local_kv"] = True
         config = EngineArgs(
             model=str(self.models[case.model]),
             skip_tokenizer_init=True,
@@ -288,11 +298,7 @@ class _Child:
             attention_backend=backend,
             max_model_len=512,
             num_gpu_blocks_override=NUM_BLOCKS,
-            kv_transfer_config={
-                "kv_connector": "NixlConnector",
-                "kv_role": "kv_both",
-                "engine_id": engine_id,
-            },
+            kv_transfer_config=transfer,
         ).create_engine_config()
         # what a worker does with the layout the engine core resolved
         record_kv_cache_layout(config.cache_config, case.layout)

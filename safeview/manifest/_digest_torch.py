@@ -31,7 +31,7 @@ from safeview.manifest._model import Layer, Manifest
 
 __all__ = ["digest"]
 
-_CHUNK_BYTES = 1 << 19  # pages gathered at a time on CPU (they stay in the core's cache)
+_CHUNK_BYTES = 1 << 20  # pages gathered at a time on CPU (they stay in the core's caches)
 _MAX_RUNS = 8  # more runs of consecutive block ids than this: one gather is cheaper
 _R_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
 
@@ -266,10 +266,12 @@ def _layer_sums(
     layer: Layer,
     tensor: torch.Tensor,
     runs: list[tuple[int, int, int]],
-    ids_tensor: torch.Tensor | None,
+    gather: tuple[torch.Tensor, torch.Tensor | None] | None,
     plan: _Plan,
 ) -> torch.Tensor:
-    """A layer's per-head, per-lane sums, int64 ``(heads, lanes)`` on the tensor's device."""
+    """A layer's per-head, per-lane sums, int64 ``(heads, lanes)`` on the tensor's device.
+    ``gather``: for more than ``_MAX_RUNS`` runs, the ids to gather pages by and, on CPU, where
+    each request position's block lies among them (``_gather_order``)."""
     nbytes = tensor.untyped_storage().nbytes()
     if _extent(layer) > nbytes:
         raise ArgumentError(
@@ -303,23 +305,26 @@ def _layer_sums(
             whole = torch.as_strided(
                 base, [layer.num_blocks, plan.span], [layer.block_stride_bytes, 1], start
             )
-            assert ids_tensor is not None
-            if device.type == "cpu":
-                # gathered a few blocks at a time into a buffer that stays in the core's
-                # cache, each batch's rows multiplied while there: the pages read once
+            assert gather is not None
+            ids_tensor, back = gather
+            if back is not None:
+                # gathered a few blocks at a time, in address order, into a buffer that stays
+                # in the core's cache, each batch's rows multiplied while there: the pages read
+                # once; then each block's products put back in the request's order
                 chunk = max(1, _CHUNK_BYTES // plan.span)
                 buffer = torch.empty(chunk, plan.span, dtype=torch.int8, device=device)
                 per_block = math.prod(plan.shape_tail) // plan.piece_bytes
-                lanes = torch.empty(blocks * per_block, LANES, dtype=torch.int32, device=device)
+                lanes = torch.empty(blocks, per_block * LANES, dtype=torch.int32, device=device)
                 for at in range(0, blocks, chunk):
                     count = min(chunk, blocks - at)
                     torch.index_select(whole, 0, ids_tensor[at : at + count], out=buffer[:count])
                     rows = torch.as_strided(
                         buffer, [count, *plan.shape_tail], [plan.span, *plan.stride_tail]
                     ).reshape(-1, plan.piece_bytes)
-                    into = lanes[at * per_block : (at + count) * per_block]
+                    into = lanes[at : at + count].view(-1, LANES)
                     _rows_times_r(rows, plan.piece_bytes, out=into)
-                sums = _weighted_sums(lanes, plan, 0, blocks)
+                in_order = lanes.index_select(0, back).view(-1, LANES)
+                sums = _weighted_sums(in_order, plan, 0, blocks)
                 total = (total + sums % PRIME * outer_key) % PRIME
                 continue
             gathered = whole.index_select(0, ids_tensor)
@@ -334,6 +339,18 @@ def _layer_sums(
             sums += _weighted_sums(lanes, plan, where, count)
         total = (total + sums % PRIME * outer_key) % PRIME
     return total
+
+
+def _gather_order(ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block ids to gather pages by, and where each request position's block lies among
+    them (``None``: they are the request's order). On CPU in ascending order: pages read in
+    address order are read faster (the prefetcher follows them) than in a request's order."""
+    if device.type != "cpu":
+        return torch.tensor(ids, dtype=torch.int64, device=device), None
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    back = torch.empty(len(ids), dtype=torch.int64)
+    back[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(ids), dtype=torch.int64)
+    return torch.tensor([ids[at] for at in order], dtype=torch.int64), back
 
 
 def _values(name: str, heads: Sequence[int], found: list[list[int]]) -> dict[int, int]:
@@ -385,7 +402,7 @@ def digest(
     values: dict[str, dict[int, int]] = {}
     sums: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
     plans: dict[tuple[Any, ...], _Plan] = {}
-    ids_tensors: dict[str, torch.Tensor] = {}
+    ids_tensors: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for name in names:
         layer = manifest.layers[name]
         tensor = _tensor_of(kv_caches, index[name], name)
@@ -397,7 +414,7 @@ def digest(
             )
         device_name = str(tensor.device)
         if len(runs) > _MAX_RUNS and device_name not in ids_tensors:
-            ids_tensors[device_name] = torch.tensor(ids, dtype=torch.int64, device=tensor.device)
+            ids_tensors[device_name] = _gather_order(ids, tensor.device)
         # what a plan depends on: the page's axes and heads (layers of one shape share it)
         shape = (
             tuple((a.axis, a.size, a.stride_bytes, a.outer) for a in layer.axes),

@@ -40,12 +40,13 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from safeview.manifest import Manifest
 from safeview.manifest.digest import Digest, DigestSampling, digest, judge, not_judged
 from safeview.policy import Policy
+from safeview.vllm._background import Background
 
 __all__ = [
     "DIGEST_MSG",
@@ -292,7 +293,7 @@ class DigestWorker:
         self.awaited: dict[str, Any] = {}  # D: marked requests being read (their ReqMeta)
         self.asked: dict[str, Future[dict[int, bytes] | None]] = {}
         self.held: dict[str, tuple[Any, Digest, float]] = {}  # D: read, judged when P's come
-        self.pool: ThreadPoolExecutor | None = None
+        self.pool: Background | None = None
 
     # P
     def digest_noted(self, metadata: Any) -> None:
@@ -334,7 +335,7 @@ class DigestWorker:
         if str(remote.engine_id) not in getattr(layout, "carried", ()):
             return False
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safeview-digest")
+            self.pool = Background("safeview-digest")
         self.asked[request] = self.pool.submit(
             fetch_digests, str(remote.host), int(remote.port), str(remote.request_id), WAIT_S
         )

@@ -55,7 +55,8 @@ import functools
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ from safeview.manifest.wire import (
     token_matches,
 )
 from safeview.policy import Policy
+from safeview.vllm._background import Background
 
 __all__ = ["ENV_MANIFEST_DIR", "Registered", "at_registration", "manifest_dir"]
 
@@ -450,7 +452,11 @@ class WorkerLayout:
         # per P engine met: its rank manifests judged, and the request tokens settled for it
         self.peers: dict[str, _Peer] = {}
         self.handshake = threading.local()  # the side channel of the handshake in this thread
+        self.background = _JUDGE  # judges P while NIXL loads P's agent
         self.carried: set[str] = set()  # P engines whose handshake carried a manifest
+        # P engines whose pair with this worker is left to vLLM (a layout vLLM converts on
+        # receipt, push mode, ...): their requests' tokens are not judged either
+        self.left_to_vllm: set[str] = set()
 
     @property
     def manifest(self) -> Manifest:
@@ -526,8 +532,10 @@ class WorkerLayout:
         fields = self._fields(remote, remote_tp_size, "handshake")
         reason = self._reason_not_judged(metadata, remote_dcp_size)
         if reason is not None:
+            self.left_to_vllm.add(remote)  # and so are its requests
             return judge_peer(self.manifest, None, against=None, fields=fields, reason=reason,
                               policy=self.policy)  # fmt: skip
+        self.left_to_vllm.discard(remote)
         senders, against, paths, note = self._senders(metadata, remote, remote_tp_size)
         return judge_peer(self.manifest, senders, against=against,  # type: ignore[arg-type]
                           fields={**fields, "manifests": paths}, rule="vllm_nixl",
@@ -658,7 +666,22 @@ class WorkerLayout:
                                  rule="vllm_nixl", policy=self.policy)  # fmt: skip
             self.verdicts[remote] = (key, verdict)
             self.peers[remote] = _Peer(dict(have), judged, verdict)
+            self.left_to_vllm.discard(remote)
         return verdict
+
+    def judge_handshake_wire_in(
+        self, context: dict[str, Any] | None, metadata: Any, wire: Any, remote_tp_rank: int,
+        remote_tp_size: int, remote_dcp_size: int,
+    ) -> Exception | None:  # fmt: skip
+        """``judge_handshake_wire`` in another thread than the handshake's, given the
+        handshake's side channel (``context``)."""
+        self.handshake.context = context
+        try:
+            return self.judge_handshake_wire(
+                metadata, wire, remote_tp_rank, remote_tp_size, remote_dcp_size
+            )
+        finally:
+            self.handshake.context = None
 
     def check_request(self, request: str, token: Any, meta: Any) -> Exception | None:
         """Before D issues the READ of ``request`` from P (``meta.remote``): the request's
@@ -666,6 +689,8 @@ class WorkerLayout:
         current handshake (P restarted behind the same engine id and address: vLLM 0.33 does
         not handshake again). The error to fail the request with under strict, if any."""
         remote = str(meta.remote.engine_id)
+        if remote in self.left_to_vllm:
+            return None
         peer = self.peers.get(remote)
         if peer is not None:
             if token in peer.settled:  # the common case: one set lookup
@@ -785,6 +810,11 @@ class WorkerLayout:
                        fields={**fields, "manifests": paths}, policy=self.policy)  # fmt: skip
 
 
+# One thread per process judges P's handshake manifests while NIXL loads P's agent; started
+# when a NIXL worker has registered (``Registered.registered``), not at its first handshake
+_JUDGE = Background("safeview-handshake")
+
+
 class _Peer:
     """What D holds of one P engine: P's rank manifests it was judged against (from P's
     handshake), the ranks judged, and the request tokens settled: passed, or refused with
@@ -829,7 +859,13 @@ def _safe(engine: str) -> str:
 
 def _guard_handshake(layout: WorkerLayout) -> None:
     """Wrap ``worker.add_remote_agent`` on the instance: judge P, then let vLLM go on; and
-    ``worker._nixl_handshake``, to know P's side channel while its ranks are added."""
+    ``worker._nixl_handshake``, to know P's side channel while its ranks are added.
+
+    A P whose handshake carried its manifest is judged while NIXL loads P's agent (which
+    releases the GIL: the judgement costs the handshake next to nothing); vLLM's call that
+    loads it (the agent's ``add_remote_agent``, before vLLM prepares any descriptor of P's)
+    returns only once the verdict is in, and under strict a refused P's agent is removed again
+    and the refusal raised there. A P without one is judged before vLLM goes on at all."""
     from safeview.vllm._nixl import take_decoded
 
     worker = layout.worker
@@ -847,22 +883,47 @@ def _guard_handshake(layout: WorkerLayout) -> None:
         **kwargs: Any,
     ) -> Any:
         refusal: Exception | None = None
+        judgement: Callable[[], Exception | None] | None = None
         try:
             wire = take_decoded()  # what P's payload carried, decoded by vLLM just now
             if wire is not None:  # P runs the plugin: its side channel answers safeview too
                 layout.carried.add(str(getattr(nixl_agent_meta, "engine_id", "")))
             if wire is None:  # P without safeview: its folder, or its NIXL metadata
                 refusal = layout.judge_handshake(nixl_agent_meta, remote_tp_size, remote_dcp_size)
-            else:
+            elif layout._reason_not_judged(nixl_agent_meta, remote_dcp_size) is not None:
+                # left to vLLM: said now, from metadata vLLM may still rewrite
                 refusal = layout.judge_handshake_wire(
                     nixl_agent_meta, wire, remote_tp_rank, remote_tp_size, remote_dcp_size
                 )
+            else:  # judged from P's manifest alone, while NIXL loads P's agent
+                _wait_for_verdicts(layout)
+                judgement = functools.partial(
+                    layout.judge_handshake_wire_in,
+                    getattr(layout.handshake, "context", None),
+                    nixl_agent_meta, wire, remote_tp_rank, remote_tp_size, remote_dcp_size,
+                )  # fmt: skip
         except Exception as error:  # safeview's own failure: vLLM goes on unjudged
             _step_aside("P/D layouts left unjudged", error)
         if refusal is not None:
             raise refusal
-        return original(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size,
-                        *args, **kwargs)  # fmt: skip
+        if judgement is None:
+            return original(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size,
+                            *args, **kwargs)  # fmt: skip
+        layout.handshake.judgement = judgement  # the agent's add_remote_agent starts it
+        try:
+            name = original(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size,
+                            *args, **kwargs)  # fmt: skip
+        except Exception:
+            # vLLM stopped before loading P's agent: a refusal of P's layout is the reason
+            # to give, if there is one
+            refusal = _judged_now(layout, judgement)
+            if refusal is not None:
+                raise refusal from None
+            raise
+        refusal = _judged_now(layout, judgement)  # vLLM did not load P's agent through it
+        if refusal is not None:
+            raise refusal
+        return name
 
     setattr(add_remote_agent, _PATCHED, True)
     worker.add_remote_agent = add_remote_agent
@@ -880,6 +941,68 @@ def _guard_handshake(layout: WorkerLayout) -> None:
             layout.handshake.context = None
 
     worker._nixl_handshake = _nixl_handshake
+
+
+def _verdict(judging: Future[Exception | None]) -> Exception | None:
+    """The refusal a background judgement came to, once it is in; safeview's own failure
+    there is reported and refuses nothing."""
+    try:
+        return judging.result()
+    except Exception as error:
+        _step_aside("P/D layouts left unjudged", error)
+        return None
+
+
+def _judged_now(
+    layout: WorkerLayout, judgement: Callable[[], Exception | None]
+) -> Exception | None:
+    """``judgement``'s refusal, if it is still this thread's to make (vLLM did not load P's
+    agent through the agent known here, or stopped before): judged here and now."""
+    if getattr(layout.handshake, "judgement", None) is not judgement:
+        return None  # the agent's add_remote_agent made it
+    layout.handshake.judgement = None
+    try:
+        refusal: Exception | None = judgement()
+    except Exception as error:
+        _step_aside("P/D layouts left unjudged", error)
+        return None
+    return refusal
+
+
+def _wait_for_verdicts(layout: WorkerLayout) -> None:
+    """Make the NIXL agent's ``add_remote_agent`` (the call that loads a peer's agent, in C,
+    without the GIL) judge that peer in the plugin's thread meanwhile, if a judgement is due in
+    this thread, and return only once the verdict is in: under strict a refused peer's agent is
+    removed again and the refusal raised there, before vLLM prepares a descriptor of it.
+    Installed on whatever agent the worker holds now."""
+    agent: Any = getattr(layout.worker, "nixl_wrapper", None)
+    load = getattr(agent, "add_remote_agent", None)
+    if load is None or getattr(load, _PATCHED, False):
+        return
+
+    @functools.wraps(load)
+    def add_remote_agent(*args: Any, **kwargs: Any) -> Any:
+        judgement = getattr(layout.handshake, "judgement", None)
+        if judgement is None:
+            return load(*args, **kwargs)
+        layout.handshake.judgement = None
+        judging = layout.background.submit(judgement)
+        try:
+            name = load(*args, **kwargs)
+        except Exception:
+            refusal = _verdict(judging)
+            if refusal is not None:
+                raise refusal from None
+            raise
+        refusal = _verdict(judging)
+        if refusal is not None:
+            with contextlib.suppress(Exception):  # P's agent is not kept for a refused P
+                agent.remove_remote_agent(name)
+            raise refusal
+        return name
+
+    setattr(add_remote_agent, _PATCHED, True)
+    agent.add_remote_agent = add_remote_agent
 
 
 def _guard_reads(layout: WorkerLayout) -> None:
@@ -949,6 +1072,7 @@ class Registered:
         handshake and judge it against the engines already in the folder. Never raises."""
         for layout in self.layouts:
             try:
+                layout.background.start()
                 _guard_handshake(layout)
                 _guard_reads(layout)
                 layout.serve()  # P's side: the manifest travels in its handshake
