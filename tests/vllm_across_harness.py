@@ -31,8 +31,9 @@ D's commands:
   verbatim, through ``NixlConnectorMetadata.add_new_req_to_recv`` (what D's scheduler does
   with a request's params) into D's ``LOCAL_BLOCKS`` (zeroed first), let vLLM do the handshake
   and the READ, and answer per rank whether the request finished or failed, the oracle,
-  whether D's blocks stayed untouched, and whether vLLM's handshake with P made the rank permute
-  P's pages on receipt (``enable_permute_local_kv``); with the events safeview emitted
+  whether D's blocks stayed untouched, whether vLLM's handshake with P made the rank permute
+  P's pages on receipt (``enable_permute_local_kv``), and which of P's agents (``p_agents``,
+  the names ``serve`` answered) D's NIXL agent holds after it; with the events safeview emitted
   meanwhile;
 - ``stop``: as P's;
 - ``exit``.

@@ -896,7 +896,7 @@ def _guard_handshake(layout: WorkerLayout) -> None:
                     nixl_agent_meta, wire, remote_tp_rank, remote_tp_size, remote_dcp_size
                 )
             else:  # judged from P's manifest alone, while NIXL loads P's agent
-                _wait_for_verdicts(layout)
+                _judge_while_loading(layout)
                 judgement = functools.partial(
                     layout.judge_handshake_wire_in,
                     getattr(layout.handshake, "context", None),
@@ -969,7 +969,7 @@ def _judged_now(
     return refusal
 
 
-def _wait_for_verdicts(layout: WorkerLayout) -> None:
+def _judge_while_loading(layout: WorkerLayout) -> None:
     """Make the NIXL agent's ``add_remote_agent`` (the call that loads a peer's agent, in C,
     without the GIL) judge that peer in the plugin's thread meanwhile, if a judgement is due in
     this thread, and return only once the verdict is in: under strict a refused peer's agent is
