@@ -25,14 +25,15 @@ Each round runs every row once, interleaved (odd rounds in reverse order, so tha
 always finds the request's bytes in the caches the other just filled); a figure is the median
 over rounds of (digest time / copy time in that round); GB/s are the request's bytes over the
 median time (a copy reads them and writes them: its memory traffic is twice that).
-``--threads`` sets torch's intra-op threads (default 1: on a machine shared
-with other work a parallel region waits for its slowest thread, which is often descheduled, and
-the figures swing by 10x); ``--cpu-time`` times by the process's CPU time. ``--device cuda``
-runs the same rows on a GPU (synchronized around each call), where the copy's bytes/s is the
-device's copy bandwidth for this gather.
+``--threads`` sets torch's intra-op threads; by default torch's own count (this machine's two
+cores), which is what a user's process pays and what the target is judged on; ``--threads 1``
+gives one core's figure (the copy's ``index_select`` of 128 pages runs on one thread either
+way, the digest's product on all of them). ``--cpu-time`` times by the process's CPU time.
+``--device cuda`` runs the same rows on a GPU (synchronized around each call), where the copy's
+bytes/s is the device's copy bandwidth for this gather.
 
 Run: python benchmarks/bench_digest.py [--rounds 9] [--blocks 2048] [--device cpu]
-     [--threads 1] [--cpu-time] [--layouts LBHNC LBNHC]
+     [--threads N] [--cpu-time] [--layouts LBHNC LBNHC]
 """
 
 from __future__ import annotations
@@ -169,12 +170,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (CPU; default torch's)"
+    )
     parser.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time")
     parser.add_argument("--layouts", nargs="+", default=["LBHNC", "LBNHC"])
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cpu":
+    if device.type == "cpu" and args.threads is not None:
         torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, safeview {safeview.__version__}, {device} "

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from safeview.manifest.digest import Digest, digest, verify
     from safeview.view import make_view
 
-__version__ = "0.6.1"
+__version__ = "0.6.2"
 
 __all__ = [
     "AddressError",

@@ -280,7 +280,8 @@ def test_a_request_of_many_scattered_blocks_is_gathered_in_batches_and_digests_a
 ) -> None:
     """More runs of consecutive ids than are read in place: on CPU the pages are gathered in
     address order, a few at a time (batches of two pages here, so that a small request takes
-    many), and each block's products put back in the request's order: the formula's value."""
+    many), and their products weighed with the keys of their request positions, put in that
+    order: the formula's value."""
     monkeypatch.setattr(_digest_torch, "_CHUNK_BYTES", 2 * 8 * 16)  # two pages' K (or V) part
     content = _content(layers=2, positions=70, heads=2, size=8, dtype=torch.float16, seed=31)
     p = _side(content, tp=1, tokens=4, layout="HND", heads=2, seed=32)
@@ -291,10 +292,80 @@ def test_a_request_of_many_scattered_blocks_is_gathered_in_batches_and_digests_a
     sent, received = _digests(p, 70), _digests(d, 70)
     assert sent[0].values == _reference(content, 70, heads=2)
     assert safeview.verify(sent, received) == []
-    # a block's products put back at another position would be another meaning
+    # a block's products weighed with another position's keys would be another meaning
     d.logical[1]["model.layers.1.attn"][d.blocks[6], 1, 2, 0].view(torch.uint8).add_(1)
     findings = safeview.verify(sent, _digests(d, 70))
     assert [(f.layer, f.heads) for f in findings] == [("model.layers.1.attn", (1,))]
+
+
+def test_rows_at_the_exactness_bound_digest_as_the_formula() -> None:
+    """The longest row piece (32 KiB) with bytes chosen so that each row's lane-0 product is
+    near its largest, and more rows per head than one float64 product may sum exactly: the
+    weighted sums are cut into exact parts (a single product over all of them loses low bits
+    and gives another value), on both a head-major and a token-major side."""
+    weights = np.array(row_weights(1 << 15), dtype=np.int64)[:, 0]
+    extreme = np.where(weights > 0, 127, -128).astype(np.int8)  # lane 0 near 128 * 127 * 32768
+    row = torch.from_numpy(np.tile(extreme, 2))  # 64 KiB: two pieces
+    positions = 300  # 2 K/V x 300 positions x 2 pieces = 1,200 rows per head; 256 per part
+    raw = row.repeat(2, positions, 1, 1).clone()  # (K/V, position, head, bytes)
+    raw[1, 5, 0, 7] = 3  # not all rows alike
+    content = {"model.layers.0.attn": raw.view(torch.bfloat16)}
+    plan_rows = 2 * positions * 2
+    assert plan_rows > (_digest_torch._EXACT - 1) // (128 * 127 * (1 << 15) * 65535)
+    p = _side(content, tp=1, tokens=16, layout="LBHNC", heads=1, seed=41)
+    d = _side(content, tp=1, tokens=8, layout="NHD", heads=1, seed=42)
+    sent, received = _digests(p, positions), _digests(d, positions)
+    assert sent[0].values == _reference(content, positions, heads=1)
+    assert safeview.verify(sent, received) == []
+
+
+def test_layers_weighed_one_batch_or_many_digest_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's layers are weighed together, as many as fit ``_BATCH_BYTES``: one layer per
+    batch gives the same values as all in one, consecutive ids and scattered ones."""
+    content = _content(layers=3, positions=70, heads=2, size=8, dtype=torch.bfloat16, seed=51)
+    side = _side(content, tp=1, tokens=4, layout="LBNHC", heads=2, seed=52)
+    assert len(_digest_torch._runs(side.blocks)) > _digest_torch._MAX_RUNS
+    consecutive = list(range(len(side.blocks)))
+    manifest, caches = side.manifests[0], side.caches[0]
+    together = [
+        safeview.digest(manifest, caches, ids, num_tokens=70) for ids in (side.blocks, consecutive)
+    ]
+    monkeypatch.setattr(_digest_torch, "_BATCH_BYTES", 1)
+    apart = [
+        safeview.digest(manifest, caches, ids, num_tokens=70) for ids in (side.blocks, consecutive)
+    ]
+    assert [d.values for d in apart] == [d.values for d in together]
+    assert together[0].values == _reference(content, 70, heads=2)
+
+
+def test_a_thread_keeps_at_most_its_scratch_limit_between_digests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CPU the digest's work buffers stay with the calling thread between calls (fresh
+    memory is paid in page faults), up to ``_KEEP_BYTES`` each: a larger one is let go."""
+    content = _content(layers=2, positions=64, heads=2, size=64, dtype=torch.bfloat16, seed=61)
+    side = _side(content, tp=1, tokens=4, layout="LBHNC", heads=2, seed=62)
+    assert len(_digest_torch._runs(side.blocks)) > _digest_torch._MAX_RUNS  # pages gathered
+
+    def kept() -> dict[str, int]:
+        names = ("pages", "lanes", "values")
+        found = {u: getattr(_digest_torch._SCRATCH, u, None) for u in names}
+        return {u: t.numel() for u, t in found.items() if t is not None}
+
+    for use in ("pages", "lanes", "values"):
+        monkeypatch.delattr(_digest_torch._SCRATCH, use, raising=False)
+    monkeypatch.setattr(_digest_torch, "_KEEP_BYTES", 4096)
+    first = safeview.digest(side.manifests[0], side.caches[0], side.blocks)
+    assert kept()
+    assert all(size <= 4096 for size in kept().values())
+    assert "values" not in kept()  # 2 layers x 16 blocks x 16 rows x 2 lanes x 8 bytes: 8 KiB
+    monkeypatch.setattr(_digest_torch, "_KEEP_BYTES", 8 << 20)
+    assert safeview.digest(side.manifests[0], side.caches[0], side.blocks) == first
+    held = kept()
+    assert set(held) == {"pages", "lanes", "values"}
+    again = safeview.digest(side.manifests[0], side.caches[0], side.blocks)
+    assert again == first
+    assert kept() == held  # reused, not grown
 
 
 # -- faults every geometric check passes --------------------------------------------------------

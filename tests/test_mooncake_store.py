@@ -119,8 +119,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     deadline = time.monotonic() + 30
     while True:
         try:
-            urllib.request.urlopen(f"{url}?key=probe", timeout=1)
-        except urllib.error.HTTPError:
+            urllib.request.urlopen(f"{url}?key=probe", timeout=1).close()
+        except urllib.error.HTTPError as answer:
+            answer.close()
             break  # 404 for a key nobody put: it answers
         except OSError:
             assert server.poll() is None, log.read_text()
@@ -154,6 +155,8 @@ class Sender:
         assert self.process.stdin is not None
         self.process.stdin.close()
         self.process.wait(timeout=30)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +235,7 @@ def test_the_sender_publishes_its_manifest_next_to_its_segment(store: str, sende
     # without safeview: nothing under the key
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(_key_url(store, senders["plain"][0]), timeout=5)
+    missing.value.close()
     assert missing.value.code == 404
 
 

@@ -2,15 +2,19 @@
 
 Per layer: an int8 ``as_strided`` view of the layer's storage with one row per (block, K/V,
 token, head, piece) and the row's bytes last, read straight from the pages where the request's
-blocks form a few runs of consecutive ids, else gathered once with ``index_select`` on the
-tensor's device; ``torch._int_mm`` of the rows with ``R`` (exact int8 x int8 -> int32); the two
-lanes times the position keys modulo ``PRIME``, summed per head; the K/V, head and layer keys
-on the few sums left. Part of the torch boundary (tests/test_architecture.py).
+blocks form a few runs of consecutive ids, else gathered with ``index_select`` on the tensor's
+device (on CPU a few pages at a time, in address order); ``torch._int_mm`` of the rows with
+``R`` (exact int8 x int8 -> int32), two lanes per row. Per page shape, for all its layers at
+once: the lanes times the position keys, summed per head, as one float64 product with the
+keys' 16-bit halves (exact: cut where a sum would pass ``2**53``), modulo ``PRIME``; the K/V,
+head and layer keys on the few sums left. Part of the torch boundary
+(tests/test_architecture.py).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +38,27 @@ __all__ = ["digest"]
 _CHUNK_BYTES = 1 << 20  # pages gathered at a time on CPU (they stay in the core's caches)
 _MAX_RUNS = 8  # more runs of consecutive block ids than this: one gather is cheaper
 _R_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
+_SCRATCH = threading.local()
+_BATCH_BYTES = 8 << 20  # float64 values weighed in one product (layers of one plan)
+_KEEP_BYTES = 8 << 20  # scratch a thread keeps between calls, per use
+
+
+def _scratch(
+    use: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A tensor for work inside one call, on CPU from memory the calling thread keeps between
+    calls (up to ``_KEEP_BYTES`` per use, three uses): fresh memory costs a page fault per 4 KiB
+    the first time it is written, which for a request of 128 blocks was a tenth of the digest
+    (benchmarks/bench_digest.py)."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    held = getattr(_SCRATCH, use, None)
+    if held is None or held.numel() < nbytes:
+        held = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        if nbytes <= _KEEP_BYTES:
+            setattr(_SCRATCH, use, held)
+    return held[:nbytes].view(dtype).view(shape)
 
 
 _GROUP = 4  # rows multiplied together: 8 output columns, 2 lanes each
@@ -176,15 +201,30 @@ def _position_keys(
     return keys.view(blocks, tokens)
 
 
-_SPLIT = 1 << 16  # keys cut into 16-bit halves: a row's lane times a half, summed, stays exact
+_SPLIT = 1 << 16  # keys cut into 16-bit halves: a lane times a half is below 2**45
+_EXACT = 1 << 53  # float64 sums of integers stay exact below this
+
+
+def _key_matrix(keys: torch.Tensor) -> torch.Tensor:
+    """The keys of ``(rows, post, lanes)`` positions as the right-hand side of one float64
+    product: ``(rows, post * lanes, 2 * lanes)``, column ``half * lanes + lane`` holding the
+    low (``half`` 0) or high 16 bits of the key of lane ``lane``'s value, zero for the other
+    lane's."""
+    rows, post, _ = keys.shape
+    halves = (keys % _SPLIT, keys // _SPLIT)
+    matrix = torch.zeros(rows, post, LANES, 2, LANES, dtype=torch.float64, device=keys.device)
+    for lane in range(LANES):
+        for half, part in enumerate(halves):
+            matrix[:, :, lane, half, lane] = part[:, :, lane]
+    return matrix.view(rows, post * LANES, 2 * LANES)
 
 
 class _Plan:
     """What a layer's geometry and the request's shape decide, made once per call for every
     layer of one ``Layer`` (the layers of one page shape share it): the row view's shape and
-    strides, the keys of the rows of one outer index as int64 ``(block rows before the
-    head, heads, rows after it, lanes)`` (the rows' own order) and their 16-bit halves, and
-    whether one run's sums stay below ``2**63`` without a ``%`` per row."""
+    strides, and the keys of the rows of one head as ``_key_matrix`` (block rows before the
+    head, rows after it: the rows' own order; a row's key never depends on its head), and how
+    many terms one float64 product sums exactly."""
 
     def __init__(self, layer: Layer, blocks: int, num_tokens: int, device: torch.device) -> None:
         placed = next((a for a in layer.axes if a.outer and a.size > 1 and a.axis != "kv"), None)
@@ -203,7 +243,8 @@ class _Plan:
         self.shape_tail = [*(a.size for a in inner), size_e, itemsize]
         self.stride_tail = [*(a.stride_bytes for a in inner), stride_e, 1]
         self.span = sum((s - 1) * t for s, t in zip(self.shape_tail, self.stride_tail)) + 1
-        sizes = [blocks, *(a.size for a in inner), pieces]
+        # one head's rows (the head axis, where there is one, at size 1: keys do not vary by it)
+        sizes = [blocks, *(1 if d == "head" else a.size for d, a in zip(dims[1:], inner)), pieces]
         per_lane = []
         for lane in range(LANES):
             keys = torch.ones(sizes, dtype=torch.int64, device=device)
@@ -219,18 +260,16 @@ class _Plan:
                     shape = [count if i == at else 1 for i in range(len(dims))]
                     keys = keys * coordinate.view(shape) % PRIME
             per_lane.append(keys)
-        keys = torch.stack(per_lane, dim=-1)  # (*sizes, lanes)
         at = dims.index("head") if "head" in dims else len(dims)
         self.pre = math.prod(sizes[1:at])  # rows of a block before its head index changes
         self.post = math.prod(sizes[at + 1 :])  # rows of one head index in a row
-        self.keys = keys.reshape(
-            blocks * self.pre, len(self.heads), self.post, LANES
-        )  # contiguous: the rows' own order
-        self.low = self.keys % _SPLIT
-        self.high = self.keys // _SPLIT
-        rows_per_head = blocks * self.pre * self.post
+        keys = torch.stack(per_lane, dim=-1).reshape(blocks * self.pre, self.post, LANES)
+        self.keys = _key_matrix(keys)
+        self.gathered: torch.Tensor | None = None  # the keys in a gather's order, once made
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]] | None = None
+        self.rows_per_block = math.prod(self.shape_tail) // self.piece_bytes
         largest = 128 * 127 * self.piece_bytes  # |<row, R>|
-        self.exact = largest * _SPLIT * max(rows_per_head, 1) < 1 << 62
+        self.terms = max(1, (_EXACT - 1) // (largest * (_SPLIT - 1)))
         self.outer_offsets: list[tuple[int, dict[str, int]]] = [(0, {})]
         for axis in outer:
             self.outer_offsets = [
@@ -246,32 +285,71 @@ class _Plan:
                     outer_key[lane] = outer_key[lane] * key(index, meaning, lane) % PRIME
             self.outer_keys.append(torch.tensor(outer_key, dtype=torch.int64, device=device))
 
+    def keys_in_order(self, order: torch.Tensor) -> torch.Tensor:
+        """The keys with the blocks in ``order`` (request positions), made once per call."""
+        if self.gathered is None:
+            blocks = order.shape[0]
+            per_block = self.keys.view(blocks, -1, 2 * LANES).index_select(0, order)
+            self.gathered = per_block.view(self.keys.shape)
+        return self.gathered
 
-def _weighted_sums(lanes: torch.Tensor, plan: _Plan, where: int, count: int) -> torch.Tensor:
-    """Per head and lane, the sum of each row's lane times its key, modulo ``PRIME``: int64
-    ``(heads, lanes)``. ``lanes`` is ``_rows_times_r``'s ``(rows, 2)`` of one run, rows in the
-    order of the keys (block, then the page's axes as they lie)."""
-    values = lanes.to(torch.int64).view(count * plan.pre, -1, plan.post, LANES)
-    rows = slice(where * plan.pre, (where + count) * plan.pre)
-    if plan.exact:
-        # no % per row: |lane| * 2**16 * rows per head < 2**62 (checked in the plan)
-        low = (values * plan.low[rows]).sum(dim=(0, 2)) % PRIME
-        high = (values * plan.high[rows]).sum(dim=(0, 2)) % PRIME
-        return (low + high * _SPLIT) % PRIME
-    return ((values * plan.keys[rows]) % PRIME).sum(dim=(0, 2)) % PRIME
+    def gather_steps(
+        self, ids: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]:
+        """The CPU gather's batches, made once per call for every layer of the plan: per batch
+        the block ids, the part of one buffer that holds their pages, those pages read as rows,
+        and the batch's first row and row count among the request's rows. The buffer is
+        ``_CHUNK_BYTES`` (a few pages): it stays in the core's cache between the gather and
+        the product."""
+        if self.steps is None:
+            chunk = max(1, _CHUNK_BYTES // self.span)
+            blocks = ids.shape[0]
+            buffer = _scratch("pages", (min(chunk, blocks), self.span), torch.int8, ids.device)
+            self.steps = []
+            for at in range(0, blocks, chunk):
+                count = min(chunk, blocks - at)
+                pages = buffer[:count]
+                rows = torch.as_strided(
+                    pages, [count, *self.shape_tail], [self.span, *self.stride_tail]
+                )
+                if rows.is_contiguous():
+                    rows = rows.view(-1, self.piece_bytes)
+                per = self.rows_per_block
+                self.steps.append((ids[at : at + count], pages, rows, at * per, count * per))
+        return self.steps
 
 
-def _layer_sums(
+def _weighted_sums(values: torch.Tensor, plan: _Plan, keys: torch.Tensor) -> torch.Tensor:
+    """Per entry (a layer's K/V part, or the layer), head and lane, the sum of each row's lane
+    times its key, modulo ``PRIME``: int64 ``(entries, heads, lanes)``. ``values``: per entry
+    and head the lanes of its rows (``_rows_times_r``'s, as float64, exact), rows in the order
+    of ``keys`` (the plan's keys, in the request's order or a gather's). One float64 product for
+    every entry and head, with the keys' 16-bit halves, cut where its sums would pass ``2**53``:
+    a few large operations rather than a few per layer."""
+    entries, heads = values.shape[:2]
+    values = values.reshape(entries * heads, -1)
+    keys = keys.reshape(-1, 2 * LANES)
+    total = torch.zeros(entries * heads, 2 * LANES, dtype=torch.int64, device=values.device)
+    for start in range(0, values.shape[1], plan.terms):
+        end = start + plan.terms
+        total += (values[:, start:end] @ keys[start:end]).to(torch.int64) % PRIME
+    total = (total % PRIME).view(entries, heads, 2, LANES)
+    return (total[:, :, 0] + total[:, :, 1] * _SPLIT) % PRIME
+
+
+def _layer_lanes(
     name: str,
     layer: Layer,
     tensor: torch.Tensor,
     runs: list[tuple[int, int, int]],
     gather: tuple[torch.Tensor, torch.Tensor | None] | None,
     plan: _Plan,
-) -> torch.Tensor:
-    """A layer's per-head, per-lane sums, int64 ``(heads, lanes)`` on the tensor's device.
-    ``gather``: for more than ``_MAX_RUNS`` runs, the ids to gather pages by and, on CPU, where
-    each request position's block lies among them (``_gather_order``)."""
+    out: torch.Tensor,
+) -> None:
+    """A layer's rows times ``R``, into ``out`` (int32 ``(outer parts, rows * lanes)``: one
+    entry per K/V part outside the page, else one), rows in the request's order, or in a CPU
+    gather's. ``gather``: for more than ``_MAX_RUNS`` runs, the ids to gather pages by and, on
+    CPU, the request position of each gathered block (``_gather_order``)."""
     nbytes = tensor.untyped_storage().nbytes()
     if _extent(layer) > nbytes:
         raise ArgumentError(
@@ -283,14 +361,12 @@ def _layer_sums(
             f"layer {name!r}: its {plan.placed} axis lies outside the block axis; a digest "
             "reads pages whose only such axis is K/V"
         )
-    device = tensor.device
     base = _int8_base(tensor)
-    heads = plan.heads
-    total = torch.zeros(len(heads), LANES, dtype=torch.int64, device=device)
     blocks = sum(count for _, count, _ in runs)
-    for (offset, _), outer_key in zip(plan.outer_offsets, plan.outer_keys):
-        pieces_of: list[tuple[torch.Tensor, int, int]] = []  # rows, blocks, first position
+    per = plan.rows_per_block
+    for part, (offset, _) in enumerate(plan.outer_offsets):
         start = layer.byte_offset + offset
+        into = out[part].view(-1, LANES)
         if len(runs) <= _MAX_RUNS:
             for first, count, where in runs:
                 view = torch.as_strided(
@@ -299,58 +375,81 @@ def _layer_sums(
                     [layer.block_stride_bytes, *plan.stride_tail],
                     start + first * layer.block_stride_bytes,
                 )
-                pieces_of.append((view, count, where))
-        else:
-            # the pages' bytes gathered whole (a row copy per block), then read as rows
-            whole = torch.as_strided(
-                base, [layer.num_blocks, plan.span], [layer.block_stride_bytes, 1], start
-            )
-            assert gather is not None
-            ids_tensor, back = gather
-            if back is not None:
-                # gathered a few blocks at a time, in address order, into a buffer that stays
-                # in the core's cache, each batch's rows multiplied while there: the pages read
-                # once; then each block's products put back in the request's order
-                chunk = max(1, _CHUNK_BYTES // plan.span)
-                buffer = torch.empty(chunk, plan.span, dtype=torch.int8, device=device)
-                per_block = math.prod(plan.shape_tail) // plan.piece_bytes
-                lanes = torch.empty(blocks, per_block * LANES, dtype=torch.int32, device=device)
-                for at in range(0, blocks, chunk):
-                    count = min(chunk, blocks - at)
-                    torch.index_select(whole, 0, ids_tensor[at : at + count], out=buffer[:count])
-                    rows = torch.as_strided(
-                        buffer, [count, *plan.shape_tail], [plan.span, *plan.stride_tail]
-                    ).reshape(-1, plan.piece_bytes)
-                    into = lanes[at : at + count].view(-1, LANES)
-                    _rows_times_r(rows, plan.piece_bytes, out=into)
-                in_order = lanes.index_select(0, back).view(-1, LANES)
-                sums = _weighted_sums(in_order, plan, 0, blocks)
-                total = (total + sums % PRIME * outer_key) % PRIME
-                continue
+                rows = view.reshape(-1, plan.piece_bytes)
+                _rows_times_r(rows, plan.piece_bytes, out=into[where * per : (where + count) * per])
+            continue
+        # the pages' bytes gathered whole (a row copy per block), then read as rows
+        whole = torch.as_strided(
+            base, [layer.num_blocks, plan.span], [layer.block_stride_bytes, 1], start
+        )
+        assert gather is not None
+        ids_tensor, order = gather
+        if order is None:
             gathered = whole.index_select(0, ids_tensor)
             view = torch.as_strided(
                 gathered, [blocks, *plan.shape_tail], [plan.span, *plan.stride_tail]
             )
-            pieces_of.append((view, blocks, 0))
-        sums = torch.zeros(len(heads), LANES, dtype=torch.int64, device=device)
-        for view, count, where in pieces_of:
-            rows = view.reshape(-1, plan.piece_bytes)
-            lanes = _rows_times_r(rows, plan.piece_bytes)
-            sums += _weighted_sums(lanes, plan, where, count)
-        total = (total + sums % PRIME * outer_key) % PRIME
-    return total
+            _rows_times_r(view.reshape(-1, plan.piece_bytes), plan.piece_bytes, out=into)
+            continue
+        # gathered a few blocks at a time, in address order, each batch's rows multiplied
+        # while its pages are in the core's cache: the pages read once
+        for ids, pages, rows, first_row, count_rows in plan.gather_steps(ids_tensor):
+            torch.index_select(whole, 0, ids, out=pages)
+            _rows_times_r(
+                rows.reshape(-1, plan.piece_bytes),
+                plan.piece_bytes,
+                out=into[first_row : first_row + count_rows],
+            )
+
+
+def _plan_sums(
+    members: list[tuple[str, Layer, torch.Tensor]],
+    runs: list[tuple[int, int, int]],
+    gather: tuple[torch.Tensor, torch.Tensor | None] | None,
+    plan: _Plan,
+    blocks: int,
+) -> list[torch.Tensor]:
+    """Per layer of one plan, its per-head, per-lane sums (int64 ``(heads, lanes)``): each
+    layer's lanes made into one small buffer and copied from there, as float64 and head by
+    head, into its batch's values; each batch (as many layers as ``_BATCH_BYTES`` holds) then
+    weighed at once."""
+    parts = len(plan.outer_offsets)
+    per_entry = blocks * plan.rows_per_block * LANES
+    per_batch = max(1, _BATCH_BYTES // max(8 * per_entry * parts, 1))
+    device = members[0][2].device
+    keys = plan.keys
+    if gather is not None and gather[1] is not None:
+        keys = plan.keys_in_order(gather[1])
+    outer = torch.stack(plan.outer_keys).view(1, parts, 1, LANES)
+    heads, rows = len(plan.heads), keys.shape[0]
+    found: list[torch.Tensor] = []
+    lanes = _scratch("lanes", (parts, per_entry), torch.int32, device)
+    by_head = lanes.view(parts, rows, heads, plan.post, LANES).permute(0, 2, 1, 3, 4)
+    for at in range(0, len(members), per_batch):
+        batch = members[at : at + per_batch]
+        shape = (len(batch) * parts, heads, rows, plan.post, LANES)
+        values = _scratch("values", shape, torch.float64, device)
+        for index, (name, layer, tensor) in enumerate(batch):
+            _layer_lanes(name, layer, tensor, runs, gather, plan, lanes)
+            # as float64, head by head, while the lanes are in the core's cache
+            values[index * parts : (index + 1) * parts].copy_(by_head)
+        sums = _weighted_sums(values, plan, keys).view(len(batch), parts, -1, LANES)
+        per_layer = (sums * outer % PRIME).sum(dim=1) % PRIME  # (layers, heads, lanes)
+        found.extend(per_layer.unbind(0))
+    return found
 
 
 def _gather_order(ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The block ids to gather pages by, and where each request position's block lies among
-    them (``None``: they are the request's order). On CPU in ascending order: pages read in
-    address order are read faster (the prefetcher follows them) than in a request's order."""
+    """The block ids to gather pages by, and the request position of each block gathered
+    (``None``: they are the request's order). On CPU in ascending order: pages read in address
+    order are read faster (the prefetcher follows them) than in a request's order."""
     if device.type != "cpu":
         return torch.tensor(ids, dtype=torch.int64, device=device), None
     order = sorted(range(len(ids)), key=ids.__getitem__)
-    back = torch.empty(len(ids), dtype=torch.int64)
-    back[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(ids), dtype=torch.int64)
-    return torch.tensor([ids[at] for at in order], dtype=torch.int64), back
+    return (
+        torch.tensor([ids[at] for at in order], dtype=torch.int64),
+        torch.tensor(order, dtype=torch.int64),
+    )
 
 
 def _values(name: str, heads: Sequence[int], found: list[list[int]]) -> dict[int, int]:
@@ -401,7 +500,7 @@ def digest(
     index = {name: at for at, name in enumerate(manifest.layers)}
     values: dict[str, dict[int, int]] = {}
     sums: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
-    plans: dict[tuple[Any, ...], _Plan] = {}
+    plans: dict[tuple[Any, ...], tuple[_Plan, list[tuple[str, Layer, torch.Tensor]]]] = {}
     ids_tensors: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for name in names:
         layer = manifest.layers[name]
@@ -422,13 +521,14 @@ def digest(
             layer.heads,
             device_name,
         )
-        plan = plans.get(shape)
-        if plan is None:
-            plan = plans[shape] = _Plan(layer, len(ids), num_tokens, tensor.device)
-        sums[name] = (
-            _layer_sums(name, layer, tensor, runs, ids_tensors.get(device_name), plan),
-            plan.heads,
-        )
+        if shape not in plans:
+            plans[shape] = (_Plan(layer, len(ids), num_tokens, tensor.device), [])
+        plans[shape][1].append((name, layer, tensor))
+    for shape, (plan, members) in plans.items():
+        gather = ids_tensors.get(shape[-1])
+        found = _plan_sums(members, runs, gather, plan, len(ids))
+        for (name, _, _), total in zip(members, found):
+            sums[name] = (total, plan.heads)
     # one transfer to the host per device, after every layer's work is queued (a per-layer
     # transfer would wait for each layer's kernels in turn on a GPU)
     by_device: dict[str, list[str]] = {}
