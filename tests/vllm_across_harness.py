@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -251,23 +251,25 @@ class _Serve:
 
     def finish(self, command: dict[str, Any]) -> dict[str, Any]:
         """``count`` more requests finished on a served engine (``request_finished`` over
-        ``remote_blocks``, then P's next engine step, as vLLM runs them): each one's
-        ``kv_transfer_params``, and P's seconds for the two, per request."""
+            ``remote_blocks``, then P's next engine step, as vLLM runs them): each one's
+            ``kv_transfer_params``, and P's seconds for the two, per request (wall clock, and this
+        thread's CPU time)."""
         sides, scheduler = self.engines[command["name"]]
         engine = _engine(command["engine"])
         blocks = [int(b) for b in command["remote_blocks"]]
-        found, seconds = [], []
+        found, seconds, cpu = [], [], []
         for at in range(int(command["count"])):
             request = _FinishedRequest(
                 f"{command['name']}-{command.get('prefix', 'more')}-{at}",
                 len(blocks) * engine.block_size,
             )
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             _, params = scheduler.request_finished(request, blocks)
             _p_step(sides, scheduler)
             seconds.append(time.perf_counter() - started)
+            cpu.append(time.thread_time() - started_cpu)
             found.append(base._json_safe(params))
-        return {"kv_transfer_params": found, "seconds": seconds}
+        return {"kv_transfer_params": found, "seconds": seconds, "cpu_seconds": cpu}
 
     def flip(self, command: dict[str, Any]) -> dict[str, Any]:
         """One byte of one P rank's page changed (its bits inverted): in ``block`` of
@@ -372,8 +374,11 @@ class _Read:
         for rank, d in enumerate(sides):
             for cache in d.kv_caches.values():
                 cache[list(LOCAL_BLOCKS)] = 0  # a second read starts from zero too
-            with _fault_after_read(d, command.get("fault")):
+            with _fault_after_read(d, command.get("fault")), _timed(d) as own:
                 outcome = _request(d, f"{command['tag']}-{rank}", params)
+            # the time D spent in the plugin's digest steps for this read (benchmarks): wall
+            # clock, and the thread's CPU time
+            outcome["safeview_seconds"], outcome["safeview_cpu_seconds"] = own
             outcome["oracle"] = layout._oracle(p_engine, engine, p_sides, d, rank, remote_blocks,
                                                LOCAL_BLOCKS)  # fmt: skip
             outcome["untouched"] = layout._untouched(d, LOCAL_BLOCKS)
@@ -499,6 +504,37 @@ def _fault_after_read(d: Any, fault: Mapping[str, Any] | None) -> Any:
         yield
     finally:
         worker._pop_done_transfers = original
+
+
+@contextlib.contextmanager
+def _timed(d: Any) -> Iterator[list[float]]:
+    """The seconds D's worker spends in the plugin's digest steps (noting the reads, settling
+    what vLLM reports read: D's digest, the judgement) while the block runs: wall clock, and
+    the thread's CPU time."""
+    own = [0.0, 0.0]
+    state = getattr(d.worker, "_safeview_digest", None)
+    if state is None:
+        yield own
+        return
+
+    def timed(method: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                own[0] += time.perf_counter() - started
+                own[1] += time.thread_time() - started_cpu
+
+        return run
+
+    for name in ("note_reads", "settle"):
+        setattr(state, name, timed(getattr(state, name)))
+    try:
+        yield own
+    finally:
+        for name in ("note_reads", "settle"):
+            delattr(state, name)
 
 
 def _request(d: Any, request_id: str, params: dict[str, Any], timeout_s: float = 60) -> Any:
