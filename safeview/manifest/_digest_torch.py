@@ -52,7 +52,7 @@ def _scratch(
     (benchmarks/bench_digest.py)."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     held = getattr(_SCRATCH, use, None)
     if held is None or held.numel() < nbytes:
         held = torch.empty(max(nbytes, 1), dtype=torch.uint8)
@@ -85,12 +85,11 @@ def _r_matrix(length: int, device: torch.device, group: int = 1) -> torch.Tensor
     return found
 
 
-def _rows_times_r(rows: torch.Tensor, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows @ R`` exactly, ``(M, 2)``, one column per lane (int32; int64 from the fallback),
-    into ``out`` when given (int32 ``(M, 2)``, contiguous): ``torch._int_mm`` where it runs (on
-    CUDA more than 16 rows and a multiple of 8 bytes, padded with zeros, which add nothing),
-    ``_GROUP`` rows at a time where they lie one after another, else a float64 product, exact
-    below ``2**53``."""
+def _rows_times_r(rows: torch.Tensor, length: int, out: torch.Tensor) -> None:
+    """``rows @ R`` exactly into ``out`` (int32 ``(M, 2)``, contiguous; one column per lane):
+    ``torch._int_mm`` where it runs (on CUDA more than 16 rows and a multiple of 8 bytes,
+    padded with zeros, which add nothing), ``_GROUP`` rows at a time where they lie one after
+    another, else a float64 product, exact below ``2**53``."""
     count = rows.shape[0]
     device = rows.device
     try:
@@ -108,21 +107,16 @@ def _rows_times_r(rows: torch.Tensor, length: int, out: torch.Tensor | None = No
             and rows.is_contiguous()
             and (device.type != "cuda" or (count // _GROUP > 16 and length % 8 == 0))
         ):
-            matrix = _r_matrix(length, device, _GROUP)
             grouped = rows.view(count // _GROUP, _GROUP * length)
-            if out is not None:
-                torch._int_mm(grouped, matrix, out=out.view(count // _GROUP, 8))
-                return out
-            return torch._int_mm(grouped, matrix).view(count, LANES)
+            matrix = _r_matrix(length, device, _GROUP)
+            torch._int_mm(grouped, matrix, out=out.view(count // _GROUP, 8))
+            return
         else:
             found = torch._int_mm(rows, _r_matrix(length, device))[:, :LANES]
     except (RuntimeError, NotImplementedError):
         matrix = _r_matrix(length, device)
         found = (rows.to(torch.float64) @ matrix[:, :LANES].to(torch.float64)).to(torch.int64)
-    if out is not None:
-        out.copy_(found)
-        return out
-    return found
+    out.copy_(found)
 
 
 _LAYER_KEYS: dict[tuple[str, int], int] = {}
@@ -297,8 +291,8 @@ class _Plan:
         self, ids: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]:
         """The CPU gather's batches, made once per call for every layer of the plan: per batch
-        the block ids, the part of one buffer that holds their pages, those pages read as rows,
-        and the batch's first row and row count among the request's rows. The buffer is
+        the block ids, the part of one buffer that holds their pages, those pages as the page's
+        axes, and the batch's first row and row count among the request's rows. The buffer is
         ``_CHUNK_BYTES`` (a few pages): it stays in the core's cache between the gather and
         the product."""
         if self.steps is None:
@@ -312,8 +306,6 @@ class _Plan:
                 rows = torch.as_strided(
                     pages, [count, *self.shape_tail], [self.span, *self.stride_tail]
                 )
-                if rows.is_contiguous():
-                    rows = rows.view(-1, self.piece_bytes)
                 per = self.rows_per_block
                 self.steps.append((ids[at : at + count], pages, rows, at * per, count * per))
         return self.steps
