@@ -505,7 +505,6 @@ def test_a_failure_of_its_own_lets_the_call_go_on(
         raise RuntimeError("the guard broke")
 
     monkeypatch.setattr(_entry_guard, "_seen", broken)
-    monkeypatch.setattr(_entry_guard, "_known_keys", {})
     kv = torch.zeros(64, dtype=torch.int8)
     before = process.counts().internal_errors
     with capture_events() as events:

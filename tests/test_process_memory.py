@@ -289,13 +289,31 @@ def test_the_byte_after_a_torch_allocation_is_still_one_too_far(guard: None) -> 
     torch.as_strided(kv, (256,), (1,))
     after = kv.data_ptr() + 256
     # what the guard decides by, named when it decides otherwise
+    known = process._memory.at(kv.data_ptr())
     seen = (mapping_at(kv.data_ptr(), fresh=True), mapping_at(after, fresh=True))
     try:
         _raw(after, 64)
     except BoundsError as error:
         assert error.byte_offset == 256
     else:
-        pytest.fail(f"let through: the allocation's mapping and the next byte's: {seen}")
+        pytest.fail(
+            f"let through: the allocation known as {known and (known.name, known.source)}; "
+            f"its mapping and the next byte's: {seen}"
+        )
+
+
+@pytest.mark.skipif(not LINUX, reason="mappings are read from /proc/self/maps")
+def test_a_storage_is_known_again_after_the_known_memory_is_cleared(guard: None) -> None:
+    # the entry guard keeps which storages it looked at by their handle; a clear that left that
+    # record made the storage (and any later one at the same handle) unseen for good
+    kv = torch.zeros(256, dtype=torch.uint8)
+    torch.as_strided(kv, (256,), (1,))
+    process._memory.clear()
+    assert process._memory.at(kv.data_ptr()) is None
+    torch.as_strided(kv, (256,), (1,))
+    with pytest.raises(BoundsError) as caught:
+        _raw(kv.data_ptr() + 256, 64)
+    assert caught.value.byte_offset == 256
 
 
 def test_two_windows_of_one_buffer_are_one_allocation(guard: None) -> None:

@@ -183,6 +183,12 @@ def _forget(key: int) -> None:
 _known_keys: dict[int, bool] = {}
 
 
+def forget_all() -> None:
+    """Forget which storages were looked at (the known memory was cleared). The same dict is
+    emptied, not replaced: the finalizers of storages alive now pop from it."""
+    _known_keys.clear()
+
+
 def live(ref: Any) -> tuple[int, int] | None:
     """Where a known storage is now (its address and size: a resize moves it), or ``None`` once
     it is gone."""

@@ -151,9 +151,15 @@ class _Memory:
                 self._index = self._map = None
 
     def clear(self) -> None:
+        """Forget every known storage, and which storages the entry guard has looked at: a
+        storage it looked at and that is no longer known would otherwise stay unseen, and so
+        would a later one whose handle (``_cdata``) is the same address."""
         with _lock:
             self.storages.clear()
             self._index = self._map = None
+            entry_guard = sys.modules.get("safeview.guard._entry_guard")
+            if entry_guard is not None:
+                entry_guard.forget_all()
 
     def _refresh(self) -> tuple[list[int], list[_Storage]]:
         """Re-read every storage held by an object (a resize moves it) and sort them."""
