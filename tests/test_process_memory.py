@@ -302,7 +302,6 @@ def test_the_byte_after_a_torch_allocation_is_still_one_too_far(guard: None) -> 
         )
 
 
-@pytest.mark.skipif(not LINUX, reason="mappings are read from /proc/self/maps")
 def test_a_storage_is_known_again_after_the_known_memory_is_cleared(guard: None) -> None:
     # the entry guard keeps which storages it looked at by their handle; a clear that left that
     # record made the storage (and any later one at the same handle) unseen for good
