@@ -32,13 +32,24 @@ way, the digest's product on all of them). ``--cpu-time`` times by the process's
 ``--device cuda`` runs the same rows on a GPU (synchronized around each call), where the copy's
 bytes/s is the device's copy bandwidth for this gather.
 
+The first line names the CPU, what torch dispatches to on it (ATen's capability, VNNI, AMX) and
+the digest's kernel there (issue 35): ``int_mm`` (``torch._int_mm``, where oneDNN has VNNI or
+AMX and is exact) or ``widen`` (the bytes widened to int32 a few pages at a time, and torch's
+int32 product). ``--kernel`` holds the digest to one of them (``int_mm`` on a CPU without VNNI
+is what 0.6.2 did: ATen's plain loop, or oneDNN's saturating AVX2 kernel, whose values are
+wrong; ``--no-onednn`` turns oneDNN off, leaving ATen's loop). ``ONEDNN_MAX_CPU_ISA=AVX2``
+and ``ATEN_CPU_CAPABILITY=avx2`` (with MKL's ``MKL_ENABLE_INSTRUCTIONS=AVX2``) give an
+AVX2-only CPU's path on a CPU with more; the first line shows whether they took effect.
+
 Run: python benchmarks/bench_digest.py [--rounds 9] [--blocks 2048] [--device cpu]
-     [--threads N] [--cpu-time] [--layouts LBHNC LBNHC]
+     [--threads N] [--cpu-time] [--layouts LBHNC LBNHC] [--kernel auto|int_mm|widen]
+     [--no-onednn]
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import random
 import statistics
 import time
@@ -47,7 +58,7 @@ from collections.abc import Callable
 import torch
 
 import safeview
-from safeview.manifest import vllm_axes
+from safeview.manifest import _digest_torch, vllm_axes
 
 LAYERS, HEADS, TOKENS, HEAD_SIZE = 32, 8, 16, 128
 REQUEST_BLOCKS = 128  # 2,048 tokens
@@ -165,6 +176,26 @@ def measure(
     return {name: (times[name], nbytes) for name, (_, nbytes) in table.items()}
 
 
+def cpu_line() -> str:
+    """The CPU, ATen's capability, VNNI and AMX as torch sees them, and the digest's kernel."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            name = next(line.split(":", 1)[1].strip() for line in info if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    flags = {
+        flag: bool(getattr(torch.cpu, f"_is_{flag}_supported", lambda: False)())
+        for flag in ("vnni", "amx_tile")
+    }
+    return (
+        f"CPU: {name}; ATen capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"VNNI {flags['vnni']}, AMX {flags['amx_tile']}, oneDNN "
+        f"{'on' if torch._C._get_mkldnn_enabled() else 'off'}, torch._int_mm exact "
+        f"{_digest_torch._int_mm_exact()}; digest kernel {_digest_torch._cpu_kernel()}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
@@ -175,10 +206,26 @@ def main() -> int:
     )
     parser.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time")
     parser.add_argument("--layouts", nargs="+", default=["LBHNC", "LBNHC"])
+    parser.add_argument(
+        "--kernel",
+        choices=["auto", "int_mm", "widen"],
+        default="auto",
+        help="the digest's CPU kernel (default: what it picks on this CPU)",
+    )
+    parser.add_argument(
+        "--no-onednn",
+        action="store_true",
+        help="torch.backends.mkldnn.enabled = False: torch._int_mm is then ATen's plain loop",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.no_onednn:
+        torch._C._set_mkldnn_enabled(False)  # torch.backends.mkldnn.enabled = False
+    if args.kernel != "auto":
+        _digest_torch._KERNELS.update({True: args.kernel, False: args.kernel})
+    print(cpu_line())
     print(
         f"torch {torch.__version__}, safeview {safeview.__version__}, {device} "
         f"({torch.get_num_threads()} threads), {args.rounds} rounds, "

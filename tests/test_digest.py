@@ -30,6 +30,7 @@ from safeview.errors import ArgumentError, ManifestError
 from safeview.manifest import _digest_torch, describe, heads_of_rank
 from safeview.manifest.digest import (
     DIGEST_CAP_BYTES,
+    DIGEST_SCHEME,
     PRIME,
     Digest,
     DigestSampling,
@@ -38,7 +39,9 @@ from safeview.manifest.digest import (
     parse_sampling,
     piece_count,
     row_weights,
+    type_key,
 )
+from safeview.spec import DTYPE_ITEMSIZE
 from safeview.vllm._background import Background
 
 LAYOUTS = {
@@ -104,9 +107,10 @@ def _side(
     content: dict[str, torch.Tensor], *, tp: int, tokens: int, layout: str, heads: int, seed: int
 ) -> Side:
     """Write ``content`` into ``tp`` ranks of ``layout`` with ``tokens``-token blocks, the
-    request's blocks at random ids (the rest of each cache random too: not the request's)."""
+    request's blocks at random ids (the rest of each cache random too: not the request's); each
+    layer's cache of its content's element type."""
     any_layer = next(iter(content.values()))
-    positions, size, dtype = any_layer.shape[1], any_layer.shape[3], any_layer.dtype
+    positions, size = any_layer.shape[1], any_layer.shape[3]
     count = -(-positions // tokens)
     num_blocks = count + 3
     generator = torch.Generator().manual_seed(seed)
@@ -116,7 +120,7 @@ def _side(
         held = heads_of_rank(rank, tp, heads)
         per_layer, per_logical = {}, {}
         for name, values in content.items():
-            tensor, logical = _allocate(layout, num_blocks, tokens, len(held), size, dtype)
+            tensor, logical = _allocate(layout, num_blocks, tokens, len(held), size, values.dtype)
             noise = torch.randint(0, 256, (tensor.untyped_storage().nbytes(),), generator=generator)
             torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).copy_(noise)
             for at, block in enumerate(blocks):
@@ -147,10 +151,11 @@ def _digests(side: Side, num_tokens: int | None = None) -> list[Digest]:
 def _reference(
     content: dict[str, torch.Tensor], num_tokens: int, heads: int
 ) -> dict[str, dict[int, int]]:
-    """The documented formula, from the logical bytes alone (numpy; no layout, no torch op on
-    a page)."""
+    """The documented formula (``sv-digest-2``), from the logical bytes and their element type
+    alone (numpy; no layout, no torch op on a page)."""
     out: dict[str, dict[int, int]] = {}
     for name, values in content.items():
+        dtype = str(values.dtype).removeprefix("torch.")
         data = values.contiguous().view(torch.int8).numpy().astype(np.int64)  # (2, pos, heads, B)
         row_bytes = data.shape[3]
         pieces = piece_count(row_bytes)
@@ -169,9 +174,8 @@ def _reference(
                             weight = key(kv, "kv", lane) * key(position, "token", lane) % PRIME
                             weight = weight * key(p, "piece", lane) % PRIME
                             total = (total + dot % PRIME * weight) % PRIME
-                lanes.append(
-                    total * key(head, "head", lane) % PRIME * layer_key(name, lane) % PRIME
-                )
+                typed = total * key(head, "head", lane) + type_key(dtype, lane)
+                lanes.append(typed % PRIME * layer_key(name, lane) % PRIME)
             out[name][head] = (lanes[0] << 31) | lanes[1]
     return out
 
@@ -452,6 +456,147 @@ def test_mla_latent_layers_digest_alike_across_tp_and_differ_on_a_byte() -> None
     findings = safeview.verify(sent, safeview.digest(m, c, b, num_tokens=24))
     assert [(f.layer, f.heads) for f in findings] == [("mla", (-1,))]
     assert "no head axis" in findings[0].message
+
+
+# -- the element type is part of the meaning (issue 35) -----------------------------------------
+
+
+def _decoded_differ(sent: torch.Tensor, received: torch.Tensor) -> bool:
+    """The byte oracle: whether any element decodes to another number on the two sides (NaN
+    read as NaN on both is the same)."""
+    a, b = sent.to(torch.float64), received.to(torch.float64)
+    same = (a == b) | (a.isnan() & b.isnan())
+    return not bool(same.all())
+
+
+@pytest.mark.parametrize(
+    ("sent_dtype", "received_dtype"),
+    [
+        (torch.float8_e4m3fn, torch.float8_e5m2),
+        (torch.float16, torch.bfloat16),
+        (torch.float8_e4m3fn, torch.float8_e4m3fn),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_pages_copied_byte_for_byte_into_a_cache_of_another_element_type_are_named(
+    sent_dtype: torch.dtype, received_dtype: torch.dtype
+) -> None:
+    """P's pages copied byte for byte into D's cache (the same page geometry, as a connector
+    copies them), D's cache of ``received_dtype``: whether D decodes other values is decided by
+    decoding both sides' pages (the oracle); the digests must name every layer that does, with
+    both element types, and nothing when it does not."""
+    content = _content(layers=2, positions=24, heads=2, size=8, dtype=sent_dtype, seed=35)
+    p = _side(content, tp=1, tokens=8, layout="NHD", heads=2, seed=36)
+    d_caches = {}
+    for name, tensor in p.caches[0].items():
+        copy = torch.empty(tensor.shape, dtype=received_dtype)
+        copy.view(torch.uint8).copy_(tensor.view(torch.uint8))  # the page copy
+        d_caches[name] = copy
+    d = describe(d_caches, axes=LAYOUTS["NHD"], topology={"total_kv_heads": 2})
+    sent = safeview.digest(p.manifests[0], p.caches[0], p.blocks, num_tokens=24)
+    received = safeview.digest(d, d_caches, p.blocks, num_tokens=24)
+    differ = {
+        name: _decoded_differ(
+            p.caches[0][name][:, p.blocks, :].flatten(1, 2)[:, :24],
+            d_caches[name][:, p.blocks, :].flatten(1, 2)[:, :24],
+        )
+        for name in content
+    }
+    findings = safeview.verify(sent, received)
+    if sent_dtype == received_dtype:
+        assert not any(differ.values())
+        assert findings == []
+        return
+    assert all(differ.values())  # every layer decodes other values
+    assert [(f.kind, f.layer, f.heads) for f in findings] == [
+        ("digest", name, (0, 1)) for name in content
+    ]
+    names = [str(t).removeprefix("torch.") for t in (sent_dtype, received_dtype)]
+    assert f"the sender's elements are {names[0]}, the receiver's {names[1]}" in findings[0].message
+    # and across the wire, as D receives P's digest
+    assert safeview.verify(Digest.from_wire(sent.to_wire()), received) == findings
+
+
+def test_one_layer_of_another_element_type_across_tp_and_layouts_is_the_one_named() -> None:
+    """P (TP 1, token-major) holds a two-layer request in float16; D (TP 2, head-major, other
+    block size) holds the same bytes, layer 1 read as bfloat16 (the oracle: its values
+    decode differently, layer 0's do not): only layer 1 is named, on each D rank."""
+    content = _content(layers=2, positions=30, heads=4, size=4, dtype=torch.float16, seed=37)
+    received_content = dict(content)
+    received_content["model.layers.1.attn"] = content["model.layers.1.attn"].view(torch.bfloat16)
+    assert _decoded_differ(content["model.layers.1.attn"], received_content["model.layers.1.attn"])
+    assert not _decoded_differ(
+        content["model.layers.0.attn"], received_content["model.layers.0.attn"]
+    )
+    p = _side(content, tp=1, tokens=16, layout="NHD", heads=4, seed=38)
+    d = _side(received_content, tp=2, tokens=8, layout="LBHNC", heads=4, seed=39)
+    sent = _digests(p, 30)
+    for rank, received in enumerate(_digests(d, 30)):
+        findings = safeview.verify(sent, received)
+        held = tuple(heads_of_rank(rank, 2, 4))
+        assert [(f.layer, f.heads) for f in findings] == [("model.layers.1.attn", held)]
+        assert "float16, the receiver's bfloat16" in findings[0].message
+    # a digest rebuilt without its element types (as a plugin may) still names the layer
+    bare = [Digest(s.num_tokens, s.values, s.tp_rank, s.tp_size) for s in sent]
+    findings = safeview.verify(bare, _digests(d, 30)[0])
+    assert [f.layer for f in findings] == ["model.layers.1.attn"]
+    assert "elements are" not in findings[0].message
+
+
+def test_every_element_type_has_its_own_key_in_both_lanes() -> None:
+    """What makes the same bytes under two element types two values, exactly: the value moves
+    by ``key(layer) * (key(t) - key(t'))``, nonzero modulo the prime when the keys differ."""
+    for lane in (0, 1):
+        keys = [type_key(name, lane) for name in DTYPE_ITEMSIZE]
+        assert len(set(keys)) == len(keys)
+        assert all(1 <= k < PRIME for k in keys)
+
+
+# -- known answers: the scheme pinned ------------------------------------------------------------
+
+
+def _pattern(count: int, step: int, start: int) -> torch.Tensor:
+    return torch.tensor([(i * step + start) % 256 for i in range(count)], dtype=torch.uint8)
+
+
+def test_known_answers_pin_the_scheme() -> None:
+    """Fixed bytes and their ``sv-digest-2`` values, written here as numbers: a changed salt,
+    multiplier, weight, key or combination (a P of one release and a D of the next disagreeing on
+    every request) fails this test. If the scheme must change, give it a new name
+    (``DIGEST_SCHEME``) and new numbers here."""
+    name = "model.layers.0.attn"
+    # NHD bfloat16: (K/V, block, token, head, element) = (2, 2, 4, 2, 4); the request's blocks
+    # 1 then 0, six positions
+    nhd = _pattern(256, 37, 11).view(torch.bfloat16).view(2, 2, 4, 2, 4)
+    axes = ("kv", "block", "token", "head", "element")
+    manifest = describe({name: nhd}, axes=axes, topology={"total_kv_heads": 2})
+    found = safeview.digest(manifest, {name: nhd}, [1, 0], num_tokens=6)
+    assert found.values == {name: {0: 4537856095152027503, 1: 3785178552831786230}}
+    # the same meaning in vLLM's head-major pages (block, head, token, K|V element)
+    lbhnc = torch.zeros(2, 2, 4, 8, dtype=torch.bfloat16)
+    lbhnc.view(2, 2, 4, 2, 4).copy_(nhd.permute(1, 3, 2, 0, 4))
+    manifest = describe(
+        {name: lbhnc}, axes=("block", "head", "token", "kv|element"), topology={"total_kv_heads": 2}
+    )
+    found = safeview.digest(manifest, {name: lbhnc}, [1, 0], num_tokens=6)
+    assert found.values == {name: {0: 4537856095152027503, 1: 3785178552831786230}}
+    # the same bytes read as float16
+    f16 = nhd.view(torch.float16)
+    manifest = describe({name: f16}, axes=axes, topology={"total_kv_heads": 2})
+    found = safeview.digest(manifest, {name: f16}, [1, 0], num_tokens=6)
+    assert found.values == {name: {0: 2185232927102729811, 1: 1432555384782488538}}
+    # an MLA latent, float8_e4m3fn (block, unit, token, element) = (3, 1, 4, 8), blocks 2 then
+    # 0, seven positions; and its bytes read as float8_e5m2
+    mla = _pattern(96, 101, 7).view(torch.float8_e4m3fn).view(3, 1, 4, 8)
+    for dtype, value in (
+        (torch.float8_e4m3fn, 407149706595015278),
+        (torch.float8_e5m2, 1462309973320614916),
+    ):
+        latent = mla.view(dtype)
+        manifest = describe({"mla": latent}, axes=MLA_AXES)
+        found = safeview.digest(manifest, {"mla": latent}, [2, 0], num_tokens=7)
+        assert found.values == {"mla": {-1: value}}
+    assert DIGEST_SCHEME == "sv-digest-2"
 
 
 # -- verify's other findings --------------------------------------------------------------------

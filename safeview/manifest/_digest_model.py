@@ -2,6 +2,11 @@
 and is the module to import; every name here is re-exported there): the keys, the row weights,
 ``Digest`` and its wire form. No torch: ``safeview.manifest._digest_torch`` computes with these
 on tensors, ``verify`` and the tests' oracle on Python ints.
+
+``from_wire`` reads what a peer sent, so it bounds the work before it does any: the payload
+(``DIGEST_CAP_BYTES``), the header once inflated (``DIGEST_HEADER_CAP_BYTES``, inflated no
+further), every field's type and range, and the header's count of values against the body's,
+all before a value is built; anything else is one ``ManifestError`` naming the field.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from safeview.errors import ManifestError
+from safeview.manifest._model import MAX_BYTES, MAX_HEADS, MAX_RANKS
+from safeview.spec import DTYPE_ITEMSIZE
 
 __all__ = [
     "DIGEST_CAP_BYTES",
+    "DIGEST_HEADER_CAP_BYTES",
     "DIGEST_SCHEME",
     "LANES",
     "MAX_PIECE_BYTES",
@@ -28,9 +36,13 @@ __all__ = [
     "layer_key",
     "piece_count",
     "row_weights",
+    "type_key",
 ]
 
-DIGEST_SCHEME = "sv-digest-1"
+DIGEST_SCHEME = "sv-digest-2"
+"""The formula's name, on the wire: ``sv-digest-2`` puts each layer's element type into its
+values (``sv-digest-1`` did not). A peer of another scheme is refused by ``from_wire``, and
+``verify`` compares no values of two schemes: their numbers mean different things."""
 PRIME = (1 << 31) - 1
 """The modulus of each lane: a Mersenne prime, so that a lane times a key fits in int64."""
 LANES = 2
@@ -39,6 +51,9 @@ MAX_PIECE_BYTES = 1 << 15
 pairs stay distinct (254 * 254 of them) and ``int8 x int8`` sums stay exact in int32."""
 DIGEST_CAP_BYTES = 4 << 20
 """The largest digest ``from_wire`` reads: 1,000 layers x 128 heads x 8 bytes, and room."""
+DIGEST_HEADER_CAP_BYTES = 256 * 1024
+"""The most a digest's header may inflate to (``from_wire`` inflates no further): 1,000 layers
+named in 40 characters each, with their element types, is about 60 KB."""
 _MAGIC = b"SVD1"
 NO_HEAD = -1  # the head key of a layer without a head axis (an MLA latent, a Mamba state)
 
@@ -47,7 +62,7 @@ NO_HEAD = -1  # the head key of a layer without a head axis (an MLA latent, a Ma
 
 _SALT = (0x2545F491, 0x4F6CDD1D)  # per lane, below PRIME
 _MULT = (0x5BD1E995 % PRIME, 0x27D4EB2F % PRIME)
-_COORDS = {"layer": 1, "kv": 2, "token": 3, "head": 4, "piece": 5}
+_COORDS = {"layer": 1, "kv": 2, "token": 3, "head": 4, "piece": 5, "dtype": 6}
 
 
 def key(value: Any, coordinate: str, lane: int) -> Any:
@@ -67,9 +82,25 @@ def key(value: Any, coordinate: str, lane: int) -> Any:
 
 def layer_key(name: str, lane: int) -> int:
     """A layer's key, from its name (layers are paired by name, never by position)."""
-    number = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
-    result: int = key(number % PRIME, "layer", lane)
+    return _name_key(name, "layer", lane)
+
+
+def _name_key(text: str, coordinate: str, lane: int) -> int:
+    number = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little")
+    result: int = key(number % PRIME, coordinate, lane)
     return result
+
+
+_TYPE_KEYS = {
+    name: tuple(_name_key(name, "dtype", lane) for lane in range(LANES)) for name in DTYPE_ITEMSIZE
+}
+
+
+def type_key(dtype: str, lane: int) -> int:
+    """An element type's key (torch's name: ``float8_e4m3fn``), the term a layer's values add
+    for it: the same bytes under two element types give two values, whatever the bytes."""
+    found = _TYPE_KEYS.get(dtype)
+    return found[lane] if found is not None else _name_key(dtype, "dtype", lane)
 
 
 def row_weights(length: int) -> list[tuple[int, int]]:
@@ -105,7 +136,8 @@ class Digest:
     layer without heads), a 62-bit int (lane 0 in the high 31 bits), over ``num_tokens``
     positions; ``tp_rank`` and ``tp_size`` of the rank that made it and the ``fingerprint`` of
     the manifest it read through (informative: two sides of one meaning have different
-    manifests)."""
+    manifests); ``dtypes[layer]`` the element type each layer was read as (already in its
+    values; said here so that a finding can name it; a layer may be absent)."""
 
     num_tokens: int
     values: Mapping[str, Mapping[int, int]]
@@ -113,6 +145,7 @@ class Digest:
     tp_size: int = 1
     fingerprint: str = ""
     scheme: str = field(default=DIGEST_SCHEME)
+    dtypes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -120,10 +153,13 @@ class Digest:
 
     def to_wire(self) -> bytes:
         """``SVD1``, the header's length, the zlib-compressed JSON header (scheme, tokens,
-        rank, layer names, heads: once when every layer has the same), then 8 bytes per
-        (layer, head), little-endian, in the header's order."""
+        rank, layer names, each distinct list of heads once and per layer which where there
+        are several, the element type once where every layer has the same, else per layer
+        where known), then 8 bytes per (layer, head), little-endian, in the header's order."""
         heads = [sorted(per) for per in self.values.values()]
-        same = all(h == heads[0] for h in heads) if heads else True
+        head_sets: dict[tuple[int, ...], int] = {}  # each distinct list, and its index
+        for hs in heads:
+            head_sets.setdefault(tuple(hs), len(head_sets))
         header: dict[str, Any] = {
             "scheme": self.scheme,
             "num_tokens": self.num_tokens,
@@ -131,8 +167,15 @@ class Digest:
             "tp_size": self.tp_size,
             "fingerprint": self.fingerprint,
             "layers": list(self.values),
+            "heads": [list(hs) for hs in head_sets],
         }
-        header["heads" if same else "layer_heads"] = heads[0] if same and heads else heads
+        if len(head_sets) > 1:
+            header["layer_heads"] = [head_sets[tuple(hs)] for hs in heads]
+        dtypes = [self.dtypes.get(layer) for layer in self.values]
+        if dtypes and None not in dtypes and len(set(dtypes)) == 1:
+            header["dtype"] = dtypes[0]
+        elif self.dtypes:
+            header["dtypes"] = dtypes
         packed = zlib.compress(json.dumps(header, separators=(",", ":")).encode("utf-8"), 6)
         numbers = [self.values[layer][h] for layer, hs in zip(self.values, heads) for h in hs]
         return (
@@ -145,8 +188,11 @@ class Digest:
     @classmethod
     def from_wire(cls, data: bytes, peer: str = "peer") -> Digest:
         """Read ``to_wire``'s bytes; ``ManifestError`` naming ``peer`` and the field for
-        anything else: truncated, over ``DIGEST_CAP_BYTES``, another scheme, values that do
-        not fit the header."""
+        anything else: truncated, over ``DIGEST_CAP_BYTES``, a header that inflates past
+        ``DIGEST_HEADER_CAP_BYTES`` or is nested past reading, another scheme, a field
+        ``to_wire`` never writes (a key it does not know, a count or rank out of range, a layer
+        named twice), values that do not fit the header. The work is bounded before it is
+        done: a 4 MiB payload is read in milliseconds."""
         where = f"{peer}: digest"
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ManifestError(where, type(data).__name__, "is not bytes")
@@ -160,36 +206,144 @@ class Digest:
             raise ManifestError(
                 f"{where} header", length, f"runs past the {len(data):,} bytes received: truncated"
             )
-        try:
-            header = json.loads(zlib.decompress(data[8 : 8 + length]))
-        except (zlib.error, ValueError) as error:
-            raise ManifestError(
-                f"{where} header", None, f"is not compressed JSON ({error})"
-            ) from None
-        if not isinstance(header, dict) or header.get("scheme") != DIGEST_SCHEME:
-            scheme = header.get("scheme") if isinstance(header, dict) else None
-            raise ManifestError(f"{where} scheme", scheme, f"is not {DIGEST_SCHEME!r}")
-        try:
-            layers = [str(name) for name in header["layers"]]
-            if "heads" in header:
-                heads = [[int(h) for h in header["heads"]] for _ in layers]
-            else:
-                heads = [[int(h) for h in hs] for hs in header["layer_heads"]]
-            num_tokens, rank, size = (int(header[k]) for k in ("num_tokens", "tp_rank", "tp_size"))
-            fingerprint = str(header.get("fingerprint", ""))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ManifestError(f"{where} header", None, f"lacks or misstates {error}") from None
-        if len(heads) != len(layers):
-            raise ManifestError(f"{where} layer_heads", len(heads), f"are not {len(layers)} lists")
+        header = _read_header(data[8 : 8 + length], where)
+        layers, heads, dtypes, (num_tokens, rank, size, fingerprint) = _fields(header, where)
+        # the values the header announces, counted before any is built
         count = sum(len(hs) for hs in heads)
-        body = data[8 + length :]
+        body = memoryview(data)[8 + length :]
         if len(body) != 8 * count:
             raise ManifestError(
                 f"{where} values",
                 len(body),
-                f"bytes are not the {8 * count:,} its header announces ({count} values): "
+                f"bytes are not the {8 * count:,} its header announces ({count:,} values): "
                 "truncated or padded",
             )
-        numbers = iter(struct.unpack(f"<{count}Q", body))
-        values = {layer: {h: next(numbers) for h in hs} for layer, hs in zip(layers, heads)}
-        return cls(num_tokens, values, rank, size, fingerprint)
+        numbers = struct.unpack(f"<{count}Q", body)
+        if numbers and max(numbers) >= 1 << 62:
+            raise ManifestError(f"{where} values", max(numbers), "is not a 62-bit digest value")
+        values: dict[str, dict[int, int]] = {}
+        at = 0
+        for layer, hs in zip(layers, heads):
+            values[layer] = dict(zip(hs, numbers[at : at + len(hs)]))
+            at += len(hs)
+        typed = {layer: t for layer, t in zip(layers, dtypes) if t is not None}
+        return cls(num_tokens, values, rank, size, fingerprint, DIGEST_SCHEME, typed)
+
+
+_HEADER_KEYS = {
+    "scheme", "num_tokens", "tp_rank", "tp_size", "fingerprint", "layers", "heads",
+    "layer_heads", "dtype", "dtypes",
+}  # fmt: skip
+_MAX_TOKENS = MAX_BYTES
+
+
+def _read_header(packed: bytes, where: str) -> dict[str, Any]:
+    """The header as a dict, inflated at most to ``DIGEST_HEADER_CAP_BYTES`` (a payload that
+    inflates further is refused at the cap, not inflated whole), read as JSON with no key given
+    twice and no nesting past what the parser takes; its scheme checked first."""
+    inflater = zlib.decompressobj()
+    try:
+        text = inflater.decompress(packed, DIGEST_HEADER_CAP_BYTES + 1)
+    except zlib.error as error:
+        raise ManifestError(f"{where} header", None, f"is not compressed ({error})") from None
+    if len(text) > DIGEST_HEADER_CAP_BYTES:
+        raise ManifestError(
+            f"{where} header",
+            None,
+            f"inflates past {DIGEST_HEADER_CAP_BYTES:,} bytes (DIGEST_HEADER_CAP_BYTES; a header "
+            f"of 1,000 layers is about 60 KB) from {len(packed):,} compressed: refused",
+        )
+    if not inflater.eof or inflater.unused_data:
+        raise ManifestError(
+            f"{where} header", None, "is not compressed whole (cut short, or other bytes follow)"
+        )
+    try:
+        header = json.loads(text, object_pairs_hook=_no_twice)
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError among them
+        raise ManifestError(f"{where} header", None, f"is not JSON ({error})") from None
+    except RecursionError:
+        raise ManifestError(
+            f"{where} header", None, "is nested deeper than JSON is read: not a digest's header"
+        ) from None
+    if not isinstance(header, dict) or header.get("scheme") != DIGEST_SCHEME:
+        scheme = header.get("scheme") if isinstance(header, dict) else None
+        raise ManifestError(
+            f"{where} scheme",
+            scheme,
+            f"is not {DIGEST_SCHEME!r}: the peer digests by another formula (another safeview "
+            "release); its values cannot be compared with ours",
+        )
+    unknown = sorted(set(header) - _HEADER_KEYS)
+    if unknown:
+        raise ManifestError(f"{where} header", unknown, "are keys a digest's header never holds")
+    return header
+
+
+def _no_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in found:
+            raise ValueError(f"the key {name!r} is given twice")
+        found[name] = value
+    return found
+
+
+def _integer(value: Any, name: str, low: int, high: int) -> int:
+    """``value`` if it is an int (not a bool) in ``[low, high)``, else ``ManifestError``."""
+    if type(value) is not int or not low <= value < high:
+        raise ManifestError(name, value, f"is not an integer in [{low:,}, {high:,})")
+    return value
+
+
+def _fields(
+    header: dict[str, Any], where: str
+) -> tuple[list[str], list[list[int]], list[str | None], tuple[int, int, int, str]]:
+    """The header's fields checked against what ``to_wire`` writes: layer names (strings, each
+    once), per layer its list of heads (``-1`` or a head below ``MAX_HEADS``, each once, in
+    order) and element type (one safeview knows, or ``null``), the token count, rank and size
+    (a rank of that size) and fingerprint."""
+    missing = sorted({"num_tokens", "tp_rank", "tp_size", "layers", "heads"} - set(header))
+    if missing:
+        raise ManifestError(f"{where} header", missing, "are missing")
+    num_tokens = _integer(header["num_tokens"], f"{where} num_tokens", 0, _MAX_TOKENS)
+    size = _integer(header["tp_size"], f"{where} tp_size", 1, MAX_RANKS + 1)
+    rank = _integer(header["tp_rank"], f"{where} tp_rank", 0, size)
+    fingerprint = header.get("fingerprint", "")
+    if not isinstance(fingerprint, str) or len(fingerprint) > 128:
+        raise ManifestError(f"{where} fingerprint", fingerprint, "is not a fingerprint's text")
+    layers = header["layers"]
+    if not isinstance(layers, list) or not all(isinstance(name, str) for name in layers):
+        raise ManifestError(f"{where} layers", layers, "is not a list of layer names")
+    seen: set[str] = set()
+    for name in layers:
+        if name in seen:
+            raise ManifestError(f"{where} layers", name, "is named twice: which values are its?")
+        seen.add(name)
+    head_sets = header["heads"]
+    if not isinstance(head_sets, list) or not all(isinstance(hs, list) for hs in head_sets):
+        raise ManifestError(f"{where} heads", head_sets, "is not a list of lists of heads")
+    for at, hs in enumerate(head_sets):
+        for head in hs:
+            _integer(head, f"{where} heads[{at}]", NO_HEAD, MAX_HEADS)
+        if hs != sorted(set(hs)):
+            raise ManifestError(f"{where} heads[{at}]", hs, "is not its heads once each, in order")
+    which = header.get("layer_heads", [0] * len(layers))
+    if not isinstance(which, list) or len(which) != len(layers):
+        raise ManifestError(
+            f"{where} layer_heads", which, f"is not one index of heads per layer ({len(layers)})"
+        )
+    for at, index in enumerate(which):
+        _integer(index, f"{where} layer_heads[{at}]", 0, len(head_sets))
+    if "dtype" in header and "dtypes" in header:
+        raise ManifestError(f"{where} header", "dtype", "and dtypes are both given")
+    dtypes = header.get("dtypes", [header.get("dtype")] * len(layers))
+    if not isinstance(dtypes, list) or len(dtypes) != len(layers):
+        raise ManifestError(
+            f"{where} dtypes", dtypes, f"is not one element type per layer ({len(layers)})"
+        )
+    for at, dtype in enumerate(dtypes):
+        if dtype is not None and (not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE):
+            raise ManifestError(
+                f"{where} dtypes[{at}]", dtype, "is not an element type safeview knows"
+            )
+    return layers, [head_sets[i] for i in which], dtypes, (num_tokens, rank, size, fingerprint)

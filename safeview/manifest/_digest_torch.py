@@ -3,12 +3,13 @@
 Per layer: an int8 ``as_strided`` view of the layer's storage with one row per (block, K/V,
 token, head, piece) and the row's bytes last, read straight from the pages where the request's
 blocks form a few runs of consecutive ids, else gathered with ``index_select`` on the tensor's
-device (on CPU a few pages at a time, in address order); ``torch._int_mm`` of the rows with
-``R`` (exact int8 x int8 -> int32), two lanes per row. Per page shape, for all its layers at
-once: the lanes times the position keys, summed per head, as one float64 product with the
-keys' 16-bit halves (exact: cut where a sum would pass ``2**53``), modulo ``PRIME``; the K/V,
-head and layer keys on the few sums left. Part of the torch boundary
-(tests/test_architecture.py).
+device (on CPU a few pages at a time, in address order); the rows times ``R``, exactly, two
+lanes per row: ``torch._int_mm`` (int8 x int8 -> int32) on CUDA and where the CPU has VNNI or
+AMX, else the rows widened to int32 a few pages at a time and multiplied by torch's int32
+product (``_cpu_kernel``). Per page shape, for all its layers at once: the lanes times the
+position keys, summed per head, as one float64 product with the keys' 16-bit halves (exact: cut
+where a sum would pass ``2**53``), modulo ``PRIME``; the K/V, head, element type and layer keys
+on the few sums left. Part of the torch boundary (tests/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,6 +31,7 @@ from safeview.manifest._digest_model import (
     layer_key,
     piece_count,
     row_weights,
+    type_key,
 )
 from safeview.manifest._model import Layer, Manifest
 
@@ -47,7 +49,7 @@ def _scratch(
     use: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """A tensor for work inside one call, on CPU from memory the calling thread keeps between
-    calls (up to ``_KEEP_BYTES`` per use, three uses): fresh memory costs a page fault per 4 KiB
+    calls (up to ``_KEEP_BYTES`` per use, four uses): fresh memory costs a page fault per 4 KiB
     the first time it is written, which for a request of 128 blocks was a tenth of the digest
     (benchmarks/bench_digest.py)."""
     if device.type != "cpu":
@@ -117,6 +119,96 @@ def _rows_times_r(rows: torch.Tensor, length: int, out: torch.Tensor) -> None:
         matrix = _r_matrix(length, device)
         found = (rows.to(torch.float64) @ matrix[:, :LANES].to(torch.float64)).to(torch.int64)
     out.copy_(found)
+
+
+_WIDEN_BYTES = 512 << 10  # bytes widened to int32 at a time (a few pages; four times that)
+_KERNELS: dict[bool, str] = {}  # per "oneDNN enabled": the CPU's kernel, probed once
+_R_WIDE: dict[int, torch.Tensor] = {}
+
+
+def _int_mm_exact() -> bool:
+    """Whether ``torch._int_mm`` gives the exact product here, on operands whose products
+    overflow an int16 pair sum (bytes of 127 and -128 against weights of +-127): oneDNN's int8
+    kernels without VNNI (AVX2, AVX-512 without VNNI, or ``ONEDNN_MAX_CPU_ISA`` below it) add
+    pairs of products into int16 with saturation, and their results are not the formula's."""
+    rows = torch.full((32, 1024), 127, dtype=torch.int8)
+    rows[1::2] = -128
+    rows[2::4, ::3] = 5
+    weights = torch.full((1024, 8), 127, dtype=torch.int8)
+    weights[:, 1::2] = -127
+    weights[::2, 2:4] = -127
+    try:
+        found = torch._int_mm(rows, weights)
+    except (RuntimeError, NotImplementedError):
+        return False
+    exact = rows.to(torch.float64) @ weights.to(torch.float64)  # below 2**53
+    return bool(torch.equal(found.to(torch.float64), exact))
+
+
+def _cpu_kernel() -> str:
+    """The kernel of the rows' products on this CPU, chosen once per process (and per
+    ``torch.backends.mkldnn.enabled``): ``"int_mm"`` (``torch._int_mm``, int8 x int8 -> int32)
+    where oneDNN runs it with VNNI or AMX and its probe is exact, ``"widen"`` elsewhere. Without
+    VNNI ``torch._int_mm`` is slow (ATen's plain loop where oneDNN is off or does not run it:
+    about 11x a copy of the same bytes on an AVX2-only EPYC) or inexact (oneDNN's saturating
+    int16 pair sums: ``_int_mm_exact``); ``"widen"`` turns the bytes into int32, a few pages at
+    a time, and multiplies them by ``R`` with torch's int32 product (exact: a row's sum is below
+    ``2**29``)."""
+    enabled = torch._C._has_mkldnn and torch._C._get_mkldnn_enabled()  # mkldnn.enabled
+    found = _KERNELS.get(enabled)
+    if found is None:
+        probes = (getattr(torch.cpu, "_is_vnni_supported", None),
+                  getattr(torch.cpu, "_is_amx_tile_supported", None))  # fmt: skip
+        fast = any(probe is not None and probe() for probe in probes)
+        found = "int_mm" if enabled and fast and _int_mm_exact() else "widen"
+        _KERNELS[enabled] = found
+    return found
+
+
+def _r_wide(length: int) -> torch.Tensor:
+    """``R`` for the widened kernel: int32 ``(length, lanes)``, each lane's weights one after
+    another (the product's fast form: about 18x slower with ``R`` row-major on an EPYC)."""
+    found = _R_WIDE.get(length)
+    if found is None:
+        if len(_R_WIDE) > 64:
+            _R_WIDE.clear()
+        found = torch.tensor(row_weights(length), dtype=torch.int32).t().contiguous().t()
+        _R_WIDE[length] = found
+    return found
+
+
+def _blocks_times_r(
+    view: torch.Tensor,
+    length: int,
+    kernel: str,
+    out: torch.Tensor,
+    wide: torch.Tensor | None = None,
+) -> None:
+    """The rows of ``view`` (int8, blocks first; each block's bytes, in its row-major order,
+    are rows of ``length`` bytes) times ``R``, exactly, into ``out`` (int32 ``(rows, lanes)``,
+    contiguous). ``"widen"``: ``_WIDEN_BYTES`` of blocks at a time (a page at least; all of
+    them into ``wide``, an int32 buffer of ``view``'s shape, where given) copied into int32,
+    in the rows' order whatever the view's strides, and multiplied while they are in the
+    core's cache."""
+    if kernel != "widen":
+        _rows_times_r(view.reshape(-1, length), length, out=out)
+        return
+    weights = _r_wide(length)
+    if wide is not None:
+        wide.copy_(view)
+        torch.mm(wide.view(-1, length), weights, out=out)
+        return
+    blocks, tail = view.shape[0], view.shape[1:]
+    per_block = math.prod(tail)
+    rows_per_block = per_block // length
+    step = max(1, _WIDEN_BYTES // max(per_block, 1))
+    buffer = _scratch("wide", (min(step, blocks) * per_block,), torch.int32, view.device)
+    for at in range(0, blocks, step):
+        count = min(step, blocks - at)
+        part = buffer[: count * per_block]
+        part.view(count, *tail).copy_(view[at : at + count])
+        rows = slice(at * rows_per_block, (at + count) * rows_per_block)
+        torch.mm(part.view(-1, length), weights, out=out[rows])
 
 
 _LAYER_KEYS: dict[tuple[str, int], int] = {}
@@ -213,6 +305,19 @@ def _key_matrix(keys: torch.Tensor) -> torch.Tensor:
     return matrix.view(rows, post * LANES, 2 * LANES)
 
 
+class _Step(NamedTuple):
+    """One batch of a CPU gather: its block ids, the part of one buffer that holds their
+    pages, those pages as the page's axes, for the widened kernel an int32 buffer of that
+    shape, and the batch's first row and row count among the request's rows."""
+
+    ids: torch.Tensor
+    pages: torch.Tensor
+    rows: torch.Tensor
+    wide: torch.Tensor | None
+    first_row: int
+    count_rows: int
+
+
 class _Plan:
     """What a layer's geometry and the request's shape decide, made once per call for every
     layer of one ``Layer`` (the layers of one page shape share it): the row view's shape and
@@ -260,8 +365,9 @@ class _Plan:
         keys = torch.stack(per_lane, dim=-1).reshape(blocks * self.pre, self.post, LANES)
         self.keys = _key_matrix(keys)
         self.gathered: torch.Tensor | None = None  # the keys in a gather's order, once made
-        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]] | None = None
+        self.steps: list[_Step] | None = None
         self.rows_per_block = math.prod(self.shape_tail) // self.piece_bytes
+        self.kernel = _cpu_kernel() if device.type == "cpu" else "int_mm"
         largest = 128 * 127 * self.piece_bytes  # |<row, R>|
         self.terms = max(1, (_EXACT - 1) // (largest * (_SPLIT - 1)))
         self.outer_offsets: list[tuple[int, dict[str, int]]] = [(0, {})]
@@ -287,18 +393,22 @@ class _Plan:
             self.gathered = per_block.view(self.keys.shape)
         return self.gathered
 
-    def gather_steps(
-        self, ids: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]:
-        """The CPU gather's batches, made once per call for every layer of the plan: per batch
-        the block ids, the part of one buffer that holds their pages, those pages as the page's
-        axes, and the batch's first row and row count among the request's rows. The buffer is
-        ``_CHUNK_BYTES`` (a few pages): it stays in the core's cache between the gather and
-        the product."""
+    def gather_steps(self, ids: torch.Tensor) -> list[_Step]:
+        """The CPU gather's batches, made once per call for every layer of the plan. The
+        buffer is ``_CHUNK_BYTES`` (a few pages; for the widened kernel ``_WIDEN_BYTES`` at
+        most, as their int32 copy is four times that): it stays in the core's cache between
+        the gather and the product."""
         if self.steps is None:
-            chunk = max(1, _CHUNK_BYTES // self.span)
+            nbytes = _CHUNK_BYTES
+            if self.kernel == "widen":
+                nbytes = min(nbytes, _WIDEN_BYTES)
+            chunk = max(1, nbytes // self.span)
             blocks = ids.shape[0]
             buffer = _scratch("pages", (min(chunk, blocks), self.span), torch.int8, ids.device)
+            per_block = math.prod(self.shape_tail)
+            wide = None
+            if self.kernel == "widen":
+                wide = _scratch("wide", (min(chunk, blocks) * per_block,), torch.int32, ids.device)
             self.steps = []
             for at in range(0, blocks, chunk):
                 count = min(chunk, blocks - at)
@@ -306,15 +416,19 @@ class _Plan:
                 rows = torch.as_strided(
                     pages, [count, *self.shape_tail], [self.span, *self.stride_tail]
                 )
+                widened = None
+                if wide is not None:
+                    widened = wide[: count * per_block].view(count, *self.shape_tail)
                 per = self.rows_per_block
-                self.steps.append((ids[at : at + count], pages, rows, at * per, count * per))
+                step = _Step(ids[at : at + count], pages, rows, widened, at * per, count * per)
+                self.steps.append(step)
         return self.steps
 
 
 def _weighted_sums(values: torch.Tensor, plan: _Plan, keys: torch.Tensor) -> torch.Tensor:
     """Per entry (a layer's K/V part, or the layer), head and lane, the sum of each row's lane
     times its key, modulo ``PRIME``: int64 ``(entries, heads, lanes)``. ``values``: per entry
-    and head the lanes of its rows (``_rows_times_r``'s, as float64, exact), rows in the order
+    and head the lanes of its rows (``_blocks_times_r``'s, as float64, exact), rows in the order
     of ``keys`` (the plan's keys, in the request's order or a gather's). One float64 product for
     every entry and head, with the keys' 16-bit halves, cut where its sums would pass ``2**53``:
     a few large operations rather than a few per layer."""
@@ -367,8 +481,8 @@ def _layer_lanes(
                     [layer.block_stride_bytes, *plan.stride_tail],
                     start + first * layer.block_stride_bytes,
                 )
-                rows = view.reshape(-1, plan.piece_bytes)
-                _rows_times_r(rows, plan.piece_bytes, out=into[where * per : (where + count) * per])
+                rows = into[where * per : (where + count) * per]
+                _blocks_times_r(view, plan.piece_bytes, plan.kernel, out=rows)
             continue
         # the pages' bytes gathered whole (a row copy per block), then read as rows
         whole = torch.as_strided(
@@ -381,17 +495,14 @@ def _layer_lanes(
             view = torch.as_strided(
                 gathered, [blocks, *plan.shape_tail], [plan.span, *plan.stride_tail]
             )
-            _rows_times_r(view.reshape(-1, plan.piece_bytes), plan.piece_bytes, out=into)
+            _blocks_times_r(view, plan.piece_bytes, plan.kernel, out=into)
             continue
         # gathered a few blocks at a time, in address order, each batch's rows multiplied
         # while its pages are in the core's cache: the pages read once
-        for ids, pages, rows, first_row, count_rows in plan.gather_steps(ids_tensor):
-            torch.index_select(whole, 0, ids, out=pages)
-            _rows_times_r(
-                rows.reshape(-1, plan.piece_bytes),
-                plan.piece_bytes,
-                out=into[first_row : first_row + count_rows],
-            )
+        for step in plan.gather_steps(ids_tensor):
+            torch.index_select(whole, 0, step.ids, out=step.pages)
+            lanes = into[step.first_row : step.first_row + step.count_rows]
+            _blocks_times_r(step.rows, plan.piece_bytes, plan.kernel, lanes, step.wide)
 
 
 def _plan_sums(
@@ -444,15 +555,32 @@ def _gather_order(ids: list[int], device: torch.device) -> tuple[torch.Tensor, t
     )
 
 
-def _values(name: str, heads: Sequence[int], found: list[list[int]]) -> dict[int, int]:
-    """A layer's values per head from its per-lane sums: times the head's and the layer's key."""
+_HEAD_KEYS: dict[int, tuple[int, ...]] = {}
+
+
+def _head_keys(head: int) -> tuple[int, ...]:
+    found = _HEAD_KEYS.get(head)
+    if found is None:
+        if len(_HEAD_KEYS) > 65536:
+            _HEAD_KEYS.clear()
+        lanes = range(LANES)
+        found = (1,) * LANES if head == NO_HEAD else tuple(key(head, "head", n) for n in lanes)
+        _HEAD_KEYS[head] = found
+    return found
+
+
+def _values(name: str, dtype: str, heads: Sequence[int], found: list[list[int]]) -> dict[int, int]:
+    """A layer's values per head from its per-lane sums: times the head's key, plus the
+    element type's key, times the layer's key."""
     result: dict[int, int] = {}
     layer_keys = [_layer_key(name, lane) for lane in range(LANES)]
+    type_keys = [type_key(dtype, lane) for lane in range(LANES)]
     for at, head in enumerate(heads):
-        lanes_value = []
-        for lane in range(LANES):
-            head_key = key(head, "head", lane) if head != NO_HEAD else 1
-            lanes_value.append(found[at][lane] * head_key % PRIME * layer_keys[lane] % PRIME)
+        head_keys = _head_keys(head)
+        lanes_value = [
+            (found[at][lane] * head_keys[lane] + type_keys[lane]) % PRIME * layer_keys[lane] % PRIME
+            for lane in range(LANES)
+        ]
         result[head] = (lanes_value[0] << 31) | lanes_value[1]
     return result
 
@@ -531,8 +659,12 @@ def digest(
         at = 0
         for name in names_here:
             heads = sums[name][1]
-            values[name] = _values(name, heads, stacked[at : at + len(heads)])
+            dtype = manifest.layers[name].dtype
+            values[name] = _values(name, dtype, heads, stacked[at : at + len(heads)])
             at += len(heads)
     values = {name: values[name] for name in names}  # the manifest's order
     topology = manifest.topology
-    return Digest(num_tokens, values, topology.tp_rank, topology.tp_size, manifest.fingerprint)
+    dtypes = {name: manifest.layers[name].dtype for name in names}
+    return Digest(
+        num_tokens, values, topology.tp_rank, topology.tp_size, manifest.fingerprint, dtypes=dtypes
+    )

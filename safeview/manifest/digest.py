@@ -4,20 +4,24 @@ Two engines that hold the same request differently (prefill TP 2 and decode TP 4
 32-token blocks, token-major and head-major pages) hold different rows, so a checksum of rows
 differs even when every value arrived. ``digest`` reads each side's pages through that side's
 own manifest and sums a value per **logical coordinate** instead: layer (by name), K or V,
-token position in the request, global KV head, element and byte of the element. The same
-meaning gives the same number on both sides, whatever the split.
+token position in the request, global KV head, element and byte of the element, and the
+element type the layer's bytes are read as (issue 35). The same meaning gives the same number
+on both sides, whatever the split.
 
 ``safeview.digest(manifest, kv_caches, block_ids)`` -> ``Digest``: per layer, per global head
 (``-1`` for a layer without heads: an MLA latent, a state) one 62-bit value; a rank holds the
 heads it holds, so the digests of P's ranks combine and each D rank compares only its heads.
 ``safeview.verify(sent, received)`` -> findings (``digest``, ``digest_unmatched``), empty when
 the meaning agrees, first layer first. ``Digest.to_wire()`` is a few bytes per (layer, head)
-and a compressed header; ``Digest.from_wire`` refuses anything else in one ``ManifestError``.
+and a compressed header; ``Digest.from_wire`` refuses anything else in one ``ManifestError``,
+its work bounded before it is done (the payload, the inflated header, the counts).
 
-The value of a (layer, head), two lanes of arithmetic modulo the prime ``p = 2**31 - 1``::
+The value of a (layer, head), two lanes of arithmetic modulo the prime ``p = 2**31 - 1``
+(scheme ``sv-digest-2``)::
 
-    lane(layer, head) = key(layer) * key(head) * sum over K/V, positions < num_tokens, pieces
-                        of  key(kv) * key(position) * key(piece) * <row bytes, R[:, lane]>
+    lane(layer, head) = key(layer) * ( key(dtype)
+                        + key(head) * sum over K/V, positions < num_tokens, pieces
+                          of  key(kv) * key(position) * key(piece) * <row bytes, R[:, lane]> )
 
 A row is one (K/V, token, head) vector of elements, as int8 bytes (a row of more than 32 KiB
 is cut into equal pieces); ``R`` is a fixed int8 matrix whose entries are never 0 and whose
@@ -25,9 +29,14 @@ lane pairs ``(R[j, 0], R[j, 1])`` differ for every byte ``j`` of a row. Every ke
 ``[1, p)``. Hence, exactly, not by chance: one changed byte changes the value (a change ``d``
 of one byte changes the lane by ``key * d * R[j]``, a product of nonzeros below ``p``); two
 bytes of a row swapped change it; a row moved to another position, K/V, head or layer changes
-it. Any other fault matches by chance with probability about ``2**-62`` per (layer, head)
-(two lanes, each a sum with pseudo-random keys modulo a prime). Bytes past ``num_tokens`` in
-the last block are not meaning and are not read into the value.
+it; the same bytes read as another element type (``float8_e4m3fn`` pages copied into a
+``float8_e5m2`` cache, ``float16`` into ``bfloat16``: every value decodes differently) change it
+(the value moves by ``key(layer) * (key(dtype) - key(dtype'))``, nonzero: every element type
+safeview knows has its own key in both lanes). Any other fault matches by chance with
+probability about ``2**-62`` per (layer, head) (two lanes, each a sum with pseudo-random keys
+modulo a prime). Bytes past ``num_tokens`` in the last block are not meaning and are not read
+into the value. Digests of another scheme (``sv-digest-1``, which had no element type) are
+never compared: ``from_wire`` refuses them, ``verify`` says them not compared.
 
 What it cannot see: a fault before the sender's digest (the sender digests what it holds), a
 fault that leaves every value as it was (a value rewritten with itself), and a layer, head or
@@ -48,10 +57,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from safeview import log
-from safeview.errors import ConfigError, DigestMismatchError
+from safeview.errors import ArgumentError, ConfigError, DigestMismatchError
 from safeview.findings import Finding
 from safeview.manifest._digest_model import (
     DIGEST_CAP_BYTES,
+    DIGEST_HEADER_CAP_BYTES,
     DIGEST_SCHEME,
     LANES,
     MAX_PIECE_BYTES,
@@ -62,14 +72,16 @@ from safeview.manifest._digest_model import (
     layer_key,
     piece_count,
     row_weights,
+    type_key,
 )
-from safeview.policy import Policy, coerce_policy
+from safeview.policy import Policy, PolicyArg, current_policy
 
 if TYPE_CHECKING:
     from safeview.manifest._model import Manifest
 
 __all__ = [
     "DIGEST_CAP_BYTES",
+    "DIGEST_HEADER_CAP_BYTES",
     "DIGEST_SCHEME",
     "ENV_DIGEST",
     "LANES",
@@ -87,6 +99,7 @@ __all__ = [
     "parse_sampling",
     "piece_count",
     "row_weights",
+    "type_key",
     "verify",
 ]
 
@@ -116,18 +129,29 @@ def digest(
 # -- comparing two sides ------------------------------------------------------------------------
 
 
+def _group(digests: Any, side: str) -> list[Digest]:
+    """One side's digests as a list: a ``Digest``, or a non-empty sequence of them."""
+    if isinstance(digests, Digest):
+        return [digests]
+    if isinstance(digests, Sequence) and not isinstance(digests, (str, bytes)):
+        group = list(digests)
+        if group and all(isinstance(d, Digest) for d in group):
+            return group
+    shown = repr(digests) if len(repr(digests)) <= 60 else f"{repr(digests)[:57]}..."
+    raise ArgumentError(f"{side} is {shown}, not a Digest or a non-empty sequence of Digests")
+
+
 def _merged(
-    digests: Digest | Sequence[Digest], side: str, findings: list[Finding]
-) -> tuple[dict[tuple[str, int], tuple[int, int]], list[str], set[int]]:
+    group: list[Digest], side: str, findings: list[Finding]
+) -> tuple[dict[tuple[str, int], tuple[int, int]], list[str], dict[str, str]]:
     """One side's values by (layer, head), with the rank that gave each; layers in first-seen
-    order; the token counts it states. Two ranks of one side that hold one head (replicated
-    heads) and disagree about it are a finding of their own."""
-    group = [digests] if isinstance(digests, Digest) else list(digests)
-    if not group or not all(isinstance(d, Digest) for d in group):
-        raise TypeError(f"verify: {side} is not a Digest or a sequence of Digests")
+    order; the element type each layer was read as, where said. Two ranks of one side that hold
+    one head (replicated heads) and disagree about it are a finding of their own."""
     merged: dict[tuple[str, int], tuple[int, int]] = {}
     order: list[str] = []
+    dtypes: dict[str, str] = {}
     for one in group:
+        dtypes.update(one.dtypes)
         for layer, per_head in one.values.items():
             if layer not in order:
                 order.append(layer)
@@ -144,28 +168,47 @@ def _merged(
                             f"{one.tp_rank} hold head {_head(head)} and digest it differently",
                         )
                     )
-    return merged, order, {one.num_tokens for one in group}
+    return merged, order, dtypes
+
+
+def _unmatched(sent: list[Digest], received: list[Digest]) -> Finding | None:
+    """One finding when the two sides' digests cannot be compared at all: values of two schemes
+    (two safeview releases), or of different token counts."""
+    schemes = ({d.scheme for d in sent}, {d.scheme for d in received})
+    if len(schemes[0] | schemes[1]) > 1:
+        return Finding.digest_unmatched(
+            None,
+            heads=(),
+            message=f"the sender's digests are of scheme {_listed(schemes[0])}, the receiver's "
+            f"of {_listed(schemes[1])}: values of two schemes mean different things, not compared",
+        )
+    tokens = ({d.num_tokens for d in sent}, {d.num_tokens for d in received})
+    if len(tokens[0] | tokens[1]) > 1:
+        return Finding.digest_unmatched(
+            None,
+            heads=(),
+            message=f"the sender digested {_tokens(tokens[0])} positions, the receiver "
+            f"{_tokens(tokens[1])}: not the same request, or not all of it",
+        )
+    return None
 
 
 def verify(sent: Digest | Sequence[Digest], received: Digest | Sequence[Digest]) -> list[Finding]:
     """Compare what a sender digested with what a receiver holds: each a ``Digest`` or one per
     rank (P's ranks combine; pass only the D ranks to be judged). Every (layer, head) the
     receiver digested is compared with the sender's; a layer's heads that differ make one
-    ``digest`` finding naming them, first layer first; a (layer, head) no sender digest holds
-    makes a ``digest_unmatched`` finding; different token counts one finding and nothing
-    else. Empty when the meaning agrees."""
+    ``digest`` finding naming them (and both element types, where the two sides read the layer
+    as different ones), first layer first; a (layer, head) no sender digest holds makes a
+    ``digest_unmatched`` finding; different token counts, or digests of two schemes, one
+    ``digest_unmatched`` finding and nothing else. Empty when the meaning agrees.
+    ``ArgumentError`` for a side that is not a ``Digest`` or a non-empty sequence of them."""
+    sent_group, received_group = _group(sent, "sent"), _group(received, "received")
+    unmatched = _unmatched(sent_group, received_group)
+    if unmatched is not None:
+        return [unmatched]
     findings: list[Finding] = []
-    theirs, _, sent_tokens = _merged(sent, "sent", findings)
-    ours, order, received_tokens = _merged(received, "received", findings)
-    if len(sent_tokens | received_tokens) > 1:
-        return [
-            Finding.digest_unmatched(
-                None,
-                heads=(),
-                message=f"the sender digested {_tokens(sent_tokens)} positions, the receiver "
-                f"{_tokens(received_tokens)}: not the same request, or not all of it",
-            )
-        ]
+    theirs, _, their_types = _merged(sent_group, "sent", findings)
+    ours, order, our_types = _merged(received_group, "received", findings)
     received_ranks: dict[tuple[str, int], int] = {k: rank for k, (_, rank) in ours.items()}
     for layer in order:
         heads = sorted(h for (name, h) in ours if name == layer)
@@ -175,6 +218,13 @@ def verify(sent: Digest | Sequence[Digest], received: Digest | Sequence[Digest])
         absent = [h for h in heads if (layer, h) not in theirs]
         if differ:
             ranks = tuple(sorted({theirs[layer, h][1] for h in differ}))
+            types = (their_types.get(layer), our_types.get(layer))
+            typed = (
+                f"; the sender's elements are {types[0]}, the receiver's {types[1]}: the same "
+                "bytes are other values"
+                if None not in types and types[0] != types[1]
+                else ""
+            )
             findings.append(
                 Finding.digest_mismatch(
                     layer,
@@ -183,7 +233,7 @@ def verify(sent: Digest | Sequence[Digest], received: Digest | Sequence[Digest])
                     sender_ranks=ranks,
                     message=f"{layer}: {_heads(differ)} read differently from what the sender "
                     f"digested (sender rank {', '.join(map(str, ranks))}, receiver rank "
-                    f"{received_ranks[layer, differ[0]]})",
+                    f"{received_ranks[layer, differ[0]]}){typed}",
                 )
             )
         if absent:
@@ -202,19 +252,34 @@ def judge(
     sent: Digest | Sequence[Digest],
     received: Digest | Sequence[Digest],
     *,
-    policy: Policy | str,
+    policy: PolicyArg | str | None = None,
     request: str | None = None,
-    **fields: Any,
+    engine: str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    remote_engine: str | None = None,
+    remote_tp_size: int | None = None,
 ) -> DigestMismatchError | None:
     """``verify``, and its event: ``digest_checked`` when the meaning agrees, ``digest_mismatch``
     when it does not (nothing under ``off``); the error to fail the request with under strict.
-    ``fields``: ``engine``, ``tp_rank``, ``tp_size``, ``remote_engine``, ``remote_tp_size`` (the
-    receiver's and the sender's, as ``layout_checked`` names them)."""
-    active = coerce_policy(policy)
+    ``policy``: the policy in force where not given (``safeview.current_policy``). The event's
+    pair: ``engine``, ``tp_rank``, ``tp_size`` (the receiver's), ``remote_engine``,
+    ``remote_tp_size`` (the sender's), as ``layout_checked`` names them; the ranks default to
+    the digests' own (the receiver's rank where it is one), the engines to ``None``::
+
+        error = judge(sent, received, policy="strict", request="r1")
+    """
+    active = current_policy(policy)
     findings = verify(sent, received)
-    group = [received] if isinstance(received, Digest) else list(received)
+    group, senders = _group(received, "received"), _group(sent, "sent")
     said = {
-        **fields,
+        "engine": engine,
+        "tp_rank": tp_rank if tp_rank is not None else _one({d.tp_rank for d in group}),
+        "tp_size": tp_size if tp_size is not None else _one({d.tp_size for d in group}),
+        "remote_engine": remote_engine,
+        "remote_tp_size": (
+            remote_tp_size if remote_tp_size is not None else _one({d.tp_size for d in senders})
+        ),
         "request": request,
         "policy": active.value,
         "num_tokens": group[0].num_tokens,
@@ -233,20 +298,42 @@ def judge(
 
 
 def not_judged(
-    reason: str, *, policy: Policy | str, request: str | None = None, **fields: Any
+    reason: str,
+    *,
+    policy: PolicyArg | str | None = None,
+    request: str | None = None,
+    engine: str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    remote_engine: str | None = None,
+    remote_tp_size: int | None = None,
 ) -> None:
     """``digest_checked`` with ``verdict`` ``not_judged``: a request a sender digested whose
-    digests could not be compared (``reason``); the request goes on."""
+    digests could not be compared (``reason``); the request goes on. The fields as ``judge``'s
+    (unknown ones ``None``)."""
     log.digest_checked(
         verdict="not_judged",
-        **fields,
+        engine=engine,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        remote_engine=remote_engine,
+        remote_tp_size=remote_tp_size,
         request=request,
-        policy=coerce_policy(policy).value,
+        policy=current_policy(policy).value,
         num_tokens=None,
         layers=0,
         heads=0,
         reason=reason,
     )
+
+
+def _one(values: set[int]) -> int | None:
+    """The value every digest of a side states, or ``None`` where they differ."""
+    return next(iter(values)) if len(values) == 1 else None
+
+
+def _listed(schemes: set[str]) -> str:
+    return " and ".join(repr(s) for s in sorted(schemes))
 
 
 def _head(head: int) -> str:

@@ -1,0 +1,152 @@
+"""The digest's two CPU kernels of the rows' products (issue 35): ``torch._int_mm`` where oneDNN
+runs it with VNNI or AMX and a probe finds it exact, else the bytes widened to int32 a few pages
+at a time and multiplied by torch's int32 product. Both give every row's exact product with
+``R`` (against int64 numpy here), so a digest is the formula's value whichever the CPU picks;
+in a process held to AVX2 (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``), where oneDNN's
+int8 product saturates, too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import safeview
+from safeview.manifest import _digest_torch
+from safeview.manifest.digest import row_weights
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_digest import _content, _reference, _side
+
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+X86 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _products(view: torch.Tensor, length: int) -> np.ndarray:
+    """Each row of ``view`` (its bytes in row-major order, ``length`` a row) times ``R``, in
+    int64 numpy."""
+    rows = view.contiguous().view(-1, length).numpy().astype(np.int64)
+    return rows @ np.array(row_weights(length), dtype=np.int64)
+
+
+def _widened(view: torch.Tensor, length: int, wide: torch.Tensor | None = None) -> np.ndarray:
+    out = torch.full((view.numel() // length, 2), -1, dtype=torch.int32)
+    _digest_torch._blocks_times_r(view, length, "widen", out, wide)
+    return out.numpy().astype(np.int64)
+
+
+def test_the_widened_kernel_gives_each_rows_exact_product_in_any_page_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Head-major pages read in place, token-major ones (a strided view, each block's rows
+    gathered in its own order), an MLA latent's rows (1,152 bytes, not a multiple of 256) and
+    the longest piece (32 KiB, bytes at the lane's extremes): widened a few blocks
+    at a time (a batch here of two pages, or of one page larger than a batch), or all at once
+    into a gather's buffer, each row's product is numpy's."""
+    monkeypatch.setattr(_digest_torch, "_WIDEN_BYTES", 2 * 4 * 16 * 64)  # two of the pages below
+    generator = torch.Generator().manual_seed(35)
+    pages = torch.randint(-128, 128, (7, 16, 4, 64), dtype=torch.int8, generator=generator)
+    token_major = pages.permute(0, 2, 1, 3)  # rows of a head, tokens apart in memory
+    assert not token_major.is_contiguous()
+    for view in (pages, token_major):
+        assert (_widened(view, 64) == _products(view, 64)).all()
+        wide = torch.empty(view.shape, dtype=torch.int32)
+        assert (_widened(view, 64, wide) == _products(view, 64)).all()
+    latent = torch.randint(-128, 128, (5, 16, 1152), dtype=torch.int8, generator=generator)
+    assert (_widened(latent, 1152) == _products(latent, 1152)).all()
+    weights = np.array(row_weights(1 << 15), dtype=np.int64)[:, 0]
+    extreme = np.where(weights > 0, 127, -128).astype(np.int8)  # lane 0 at its largest
+    opposite = np.where(weights > 0, -128, 127).astype(np.int8)  # and at its smallest
+    longest = torch.from_numpy(np.stack([extreme, opposite, extreme])).view(3, 1, 1 << 15)
+    found = _widened(longest, 1 << 15)
+    assert found[0, 0] == int(weights.clip(0).sum() * 127 + weights.clip(None, 0).sum() * -128)
+    assert (found == _products(longest, 1 << 15)).all()
+
+
+def test_the_int8_kernel_and_the_widened_one_agree_where_int_mm_is_exact() -> None:
+    """Where this CPU's ``torch._int_mm`` is exact, the int8 kernel's products (rows four at
+    a time, or one) are the widened kernel's."""
+    if not _digest_torch._int_mm_exact():
+        pytest.skip("torch._int_mm is not exact on this CPU: the int8 kernel is never used here")
+    generator = torch.Generator().manual_seed(36)
+    pages = torch.randint(-128, 128, (6, 2, 8, 256), dtype=torch.int8, generator=generator)
+    for view in (pages, pages[:, :, :7]):  # 4-row groups where they lie in order, else one by one
+        out = torch.empty(view.numel() // 256, 2, dtype=torch.int32)
+        _digest_torch._blocks_times_r(view, 256, "int_mm", out)
+        assert (out.numpy() == _widened(view, 256)).all()
+        assert (out.numpy() == _products(view, 256)).all()
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from flags
+def test_a_digest_with_onednn_off_takes_the_widened_kernel_and_the_formulas_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With oneDNN off (``torch.backends.mkldnn.flags``) ``torch._int_mm`` is ATen's plain loop:
+    the digest widens instead, and gives the formula's value, consecutive ids and gathered
+    ones, as it does with oneDNN on (where this CPU may pick either kernel); its int32 buffer
+    holds a gather's batch, ``_WIDEN_BYTES`` of pages, four times over."""
+    monkeypatch.delattr(_digest_torch._SCRATCH, "wide", raising=False)  # another test's
+    content = _content(layers=2, positions=50, heads=2, size=64, dtype=torch.bfloat16, seed=71)
+    side = _side(content, tp=1, tokens=4, layout="LBNHC", heads=2, seed=72)
+    manifest, caches = side.manifests[0], side.caches[0]
+    both = (side.blocks, list(range(len(side.blocks))))
+    assert len(_digest_torch._runs(side.blocks)) > _digest_torch._MAX_RUNS  # gathered
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert _digest_torch._cpu_kernel() == "widen"
+        off = [safeview.digest(manifest, caches, ids, num_tokens=50) for ids in both]
+    on = [safeview.digest(manifest, caches, ids, num_tokens=50) for ids in both]
+    assert off == on
+    assert off[0].values == _reference(content, 50, heads=2)
+    wide = getattr(_digest_torch._SCRATCH, "wide", None)
+    assert wide is not None
+    assert wide.numel() <= 4 * _digest_torch._WIDEN_BYTES  # bounded as a gather's batch
+
+
+_AVX2_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from test_digest import _content, _digests, _side
+from safeview.manifest import _digest_torch
+content = _content(layers=2, positions=40, heads=4, size=64, dtype=torch.bfloat16, seed=81)
+sides = [_side(content, tp=1, tokens=16, layout="LBHNC", heads=4, seed=82),
+         _side(content, tp=1, tokens=4, layout="LBNHC", heads=4, seed=83)]
+print(json.dumps({{
+    "capability": torch.backends.cpu.get_cpu_capability(),
+    "exact": _digest_torch._int_mm_exact(),
+    "kernel": _digest_torch._cpu_kernel(),
+    "values": [_digests(side, 40)[0].values for side in sides],
+}}))
+"""
+
+
+@pytest.mark.skipif(not X86, reason="AVX2 is an x86 instruction set")
+def test_a_process_held_to_avx2_digests_as_the_formula() -> None:
+    """A process whose oneDNN and ATen are held to AVX2 (as on an AVX2-only CPU; on a CPU
+    with VNNI or AMX oneDNN's int8 product then saturates and ``torch._int_mm`` gives other
+    numbers): the probe sees it, the digest widens, and its values are the formula's, head-
+    and token-major, read in place and gathered."""
+    script = _AVX2_SCRIPT.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, **AVX2_ONLY}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["capability"] == "AVX2"  # ATEN_CPU_CAPABILITY took effect
+    content = _content(layers=2, positions=40, heads=4, size=64, dtype=torch.bfloat16, seed=81)
+    expected = _reference(content, 40, heads=4)
+    for values in found["values"]:
+        assert {name: {int(h): v for h, v in per.items()} for name, per in values.items()} == (
+            expected
+        )
+    assert found["kernel"] == "widen"
+    vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
+    if vnni and torch._C._has_mkldnn:
+        assert found["exact"] is False  # ONEDNN_MAX_CPU_ISA took effect: no VNNI, saturation
