@@ -11,7 +11,9 @@ heads it holds. Two manifests are compared by ``safeview.diff``::
 ``describe`` reads tensors (torch is imported only there, through ``safeview._torch``); the model,
 ``assumed`` (a manifest from a connector's assumed format, such as LMCache's
 ``NL_X_TWO_NB_BS_NH_HS``) and the JSON round trip need no torch. The model, its checks and its
-fingerprints live in ``safeview.manifest._model``; every name of it is re-exported here.
+fingerprints live in ``safeview.manifest._model``; every name of it is re-exported here. Where
+every token lives under context parallelism (``token_positions``) and each page byte's place in
+vLLM's canonical page (``canonical_bytes``) live in ``safeview.manifest.canonical``.
 
 Axis names, one per tensor dimension in shape order: ``block``; ``kv`` (0 is K, 1 is V);
 ``token`` (within a block); ``head`` (local index, mapped to a global KV head by the topology);
@@ -43,8 +45,10 @@ from safeview.manifest._model import (
     Topology,
     _file_name,
     _fingerprint_of,
+    _interleave_checked,
     _refused,
     _short,
+    _stage_layers_checked,
     _validated,
 )
 from safeview.spec import DTYPE_ITEMSIZE
@@ -66,11 +70,13 @@ __all__ = [
     "PageAxis",
     "Topology",
     "assumed",
+    "canonical_bytes",
     "derive",
     "describe",
     "heads_of_rank",
     "layer_from_geometry",
     "layer_heads",
+    "token_positions",
     "vllm_axes",
 ]
 
@@ -88,6 +94,25 @@ def heads_of_rank(tp_rank: int, tp_size: int, total_kv_heads: int) -> tuple[int,
         per_rank = total_kv_heads // tp_size
         return tuple(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
     return (tp_rank * total_kv_heads // tp_size,)
+
+
+def token_positions(topology: Topology, block_tokens: int) -> tuple[int, ...]:
+    """Each local slot's token position among the ``block_tokens * dcp_size * pcp_size``
+    tokens a block stands for, under the topology's context parallelism (vLLM's placement:
+    slot ``s`` of the rank at position ``c`` holds ``(s // I * W + c) * I + s % I``); see
+    ``safeview.manifest.canonical``."""
+    from safeview.manifest.canonical import token_positions as positions
+
+    return positions(topology, block_tokens)
+
+
+def canonical_bytes(manifest: Manifest, layer: str) -> Any:
+    """For each byte of ``layer``'s local page, its byte in vLLM's canonical page (all KV
+    heads, all ``block tokens * dcp * pcp`` tokens, in the page's own encoding), ``-1`` where
+    it has none: a numpy int64 array of ``page_bytes``. See ``safeview.manifest.canonical``."""
+    from safeview.manifest.canonical import canonical_bytes as mapping
+
+    return mapping(manifest, layer)
 
 
 # -- building a layer from a geometry (no torch) ---------------------------------------------
@@ -412,7 +437,11 @@ class Derived:
 
     def __init__(self, topology: Topology, entries: list[tuple[str, Layer, int]]):
         self.topology = topology
-        self.fingerprint = _fingerprint_of((name, t.fingerprint) for name, t, _ in entries)
+        if topology.stage_layers is not None or topology.cp_size > 1:
+            _placement_checked(topology, entries)
+        self.fingerprint = _fingerprint_of(
+            ((name, t.fingerprint) for name, t, _ in entries), topology
+        )
         self._entries = entries
         self._manifest: Manifest | None = None
 
@@ -447,6 +476,26 @@ class Derived:
                 return self.manifest().to_json(indent=None)
             parts.append(f"{_json_string(name)}:{piece[0]}{at}{piece[1]}")
         return f'{before}"layers":{{{",".join(parts)}}}{after}'
+
+
+def _placement_checked(topology: Topology, entries: list[tuple[str, Layer, int]]) -> None:
+    """The checks ``Manifest`` makes of its topology against its layers (one global index per
+    layer, none twice in a group; an interleave that divides every block), for a manifest
+    built without validation; ``ManifestError`` naming the field."""
+    try:
+        if topology.stage_layers is not None:
+            _stage_layers_checked(
+                topology, [name for name, _, _ in entries], [t.group for _, t, _ in entries]
+            )
+        if topology.cp_size > 1:
+            seen: set[int] = set()
+            for name, template, _ in entries:
+                if id(template) not in seen:  # layers of one page shape: checked once
+                    seen.add(id(template))
+                    _interleave_checked(topology, name, template.size_of("token"), template.kind)
+    except ValueError as error:
+        field, _, limit = str(error).partition(" ")
+        raise ManifestError(field, None, limit) from None
 
 
 _json_string = json.JSONEncoder(ensure_ascii=False).encode

@@ -42,6 +42,7 @@ Count = Annotated[int, Field(strict=True, ge=0, lt=MAX_BYTES)]
 Positive = Annotated[int, Field(strict=True, ge=1, lt=MAX_BYTES)]
 MAX_HEADS = 1 << 16  # KV heads of a model: a manifest lists each rank's; real models hold <= 128
 MAX_RANKS = 1 << 16  # a TP size: diff walks the ranks one by one; real engines run <= 1,024
+Ranks = Annotated[int, Field(strict=True, ge=1, le=MAX_RANKS)]
 CONNECTOR_RULES: dict[str, str] = {"NixlConnector": "vllm_nixl"}
 """The ``safeview.diff`` rule of each connector a manifest can name (``topology.connector``);
 a connector not listed moves pages by ``page_copy``."""
@@ -66,7 +67,17 @@ class Topology(BaseModel):
     heads and the global heads this rank holds (in its local head order), block tokens (the
     kernel's, and the engine's logical block), and the engine's name, version and own name for
     its layout (vLLM's ``LBHNC``; for ``assumed``, the connector's format), as reported; the
-    connector that wrote it (vLLM's ``NixlConnector``), whose rule ``safeview.diff`` uses."""
+    connector that wrote it (vLLM's ``NixlConnector``), whose rule ``safeview.diff`` uses.
+
+    Context parallelism, under vLLM's names and meaning (``docs/layouts.md``, where a token
+    lives): ``dcp_size``/``dcp_rank`` and ``pcp_size``/``pcp_rank`` spread a block's tokens
+    over ``W = dcp_size * pcp_size`` ranks, ``cp_kv_cache_interleave_size`` (``I``) tokens at
+    a time; this rank's context-parallel position is ``c = pcp_rank * dcp_size + dcp_rank``,
+    and its local slot ``s`` of a block holds the token at ``(s // I * W + c) * I + s % I`` of
+    the ``block tokens * W`` the block stands for. The pipeline stage: ``pp_rank`` of
+    ``pp_size``, and ``stage_layers``, the global (model) index of each of the manifest's
+    layers in its layer order. All are written only when not their default, so a manifest
+    without them reads as DCP = PCP = PP = 1 and keeps its text and fingerprint."""
 
     model_config = _FROZEN
 
@@ -82,12 +93,53 @@ class Topology(BaseModel):
     # written only when known: a file without it stays readable by 0.4.1, which refuses keys
     # it does not know
     connector: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    # written only when not 1 (or 0): an old manifest's text, wire bytes and fingerprint stay
+    dcp_size: Ranks = Field(default=1, exclude_if=lambda value: value == 1)
+    dcp_rank: Count = Field(default=0, exclude_if=lambda value: value == 0)
+    pcp_size: Ranks = Field(default=1, exclude_if=lambda value: value == 1)
+    pcp_rank: Count = Field(default=0, exclude_if=lambda value: value == 0)
+    cp_kv_cache_interleave_size: Positive = Field(default=1, exclude_if=lambda value: value == 1)
+    pp_size: Ranks = Field(default=1, exclude_if=lambda value: value == 1)
+    pp_rank: Count = Field(default=0, exclude_if=lambda value: value == 0)
+    stage_layers: tuple[Count, ...] | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
     @model_validator(mode="after")
     def _rank_in_range(self) -> Topology:
-        if self.tp_rank >= self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        for rank, size in (("tp_rank", "tp_size"), ("dcp_rank", "dcp_size"),
+                           ("pcp_rank", "pcp_size"), ("pp_rank", "pp_size")):  # fmt: skip
+            if getattr(self, rank) >= getattr(self, size):
+                raise ValueError(
+                    f"{rank} {getattr(self, rank)} is not below {size} {getattr(self, size)}"
+                )
+        if self.cp_size > MAX_RANKS:
+            raise ValueError(
+                f"dcp_size {self.dcp_size} times pcp_size {self.pcp_size} is more than "
+                f"{MAX_RANKS:,} context-parallel ranks"
+            )
         return self
+
+    @property
+    def cp_size(self) -> int:
+        """``W``: the ranks a block's tokens are spread over (``dcp_size * pcp_size``)."""
+        return self.dcp_size * self.pcp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """``c``: this rank's context-parallel position, ``pcp_rank * dcp_size + dcp_rank``."""
+        return self.pcp_rank * self.dcp_size + self.dcp_rank
+
+    def placement(self) -> dict[str, Any] | None:
+        """What the topology adds to the meaning of a page byte (its fingerprint): the token
+        placement under context parallelism and the stage's global layer indices; ``None``
+        when neither is there (the fingerprint is then the one of before)."""
+        found: dict[str, Any] = {}
+        if self.cp_size > 1:
+            found["cp"] = [self.cp_size, self.cp_rank, self.cp_kv_cache_interleave_size]
+        if self.stage_layers is not None:
+            found["stage_layers"] = list(self.stage_layers)
+        return found or None
 
 
 class Layer(BaseModel):
@@ -191,8 +243,10 @@ class Manifest(BaseModel):
 
     ``Manifest.from_json(text)`` reads one (``ManifestError`` naming the field when it is not a
     manifest of this schema); ``to_json()`` writes it; ``fingerprint`` is the sha256 of the
-    canonical JSON of every layer's name and page meaning and of the topology's head mapping:
-    the same layout gives the same fingerprint on any machine."""
+    canonical JSON of every layer's name and page meaning (its global heads included) and, under
+    context parallelism or a pipeline stage, of the token placement and the stage's layer
+    indices (``Topology.placement``): the same layout gives the same fingerprint on any
+    machine."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -203,8 +257,9 @@ class Manifest(BaseModel):
 
     @model_validator(mode="after")
     def _fingerprinted(self) -> Manifest:
+        _stage_checked(self.topology, self.layers)
         fingerprint = _fingerprint_of(
-            (name, layer.fingerprint) for name, layer in self.layers.items()
+            ((name, layer.fingerprint) for name, layer in self.layers.items()), self.topology
         )
         if self.fingerprint and self.fingerprint != fingerprint:
             raise ValueError(
@@ -314,8 +369,19 @@ def _refused(error: ValidationError, where: str, joint: str = ": ") -> ManifestE
     message = str(first["msg"]).removeprefix("Value error, ")
     if message.startswith("fingerprint "):  # the check of the whole: name the field it reads
         field, message = f"{field}.fingerprint", message.removeprefix("fingerprint ")
+    named, _, rest = message.partition(" ")
+    if named in _NAMED_BY_MESSAGE:  # a check of several fields names the one it refuses
+        field, message = f"{field}.{named}", rest
     field = field.lstrip(".") or "(manifest)"
     return ManifestError(f"{where}{joint if field[0] != '[' else ''}{field}", shown, message)
+
+
+# the fields a check of a whole model names first in its message (``_refused`` moves the name
+# into the error's field)
+_NAMED_BY_MESSAGE = frozenset(
+    {"tp_rank", "dcp_rank", "pcp_rank", "pp_rank", "dcp_size", "topology.stage_layers",
+     "topology.cp_kv_cache_interleave_size"}
+)  # fmt: skip
 
 
 def _file_name(topology: Topology) -> str:
@@ -368,7 +434,51 @@ def _layer_fingerprint(layer: Layer) -> str:
     return found
 
 
-def _fingerprint_of(pairs: Iterable[tuple[str, str]]) -> str:
-    """sha256 of the canonical JSON of ``[[name, layer fingerprint], ...]`` in name order."""
-    ordered = sorted(pairs)
-    return hashlib.sha256(json.dumps(ordered, separators=(",", ":")).encode()).hexdigest()
+def _fingerprint_of(pairs: Iterable[tuple[str, str]], topology: Topology | None = None) -> str:
+    """sha256 of the canonical JSON of ``[[name, layer fingerprint], ...]`` in name order; with
+    context parallelism or a pipeline stage (``Topology.placement``), of
+    ``[[[name, layer fingerprint], ...], placement]``: another token placement or stage is
+    another meaning of the same bytes."""
+    ordered: Any = sorted(pairs)
+    placement = None if topology is None else topology.placement()
+    if placement is not None:
+        ordered = [ordered, placement]
+    return hashlib.sha256(_canonical(ordered).encode()).hexdigest()
+
+
+def _stage_checked(topology: Topology, layers: Mapping[str, Layer]) -> None:
+    """The topology against the layers it describes: ``stage_layers`` gives one global index
+    per layer, none twice within one KV-cache group; under context parallelism the interleave
+    divides every layer's block tokens (vLLM: ``block_size % cp_kv_cache_interleave_size``)."""
+    _stage_layers_checked(topology, list(layers), [layer.group for layer in layers.values()])
+    if topology.cp_size > 1:
+        for name, layer in layers.items():
+            _interleave_checked(topology, name, layer.size_of("token"), layer.kind)
+
+
+def _stage_layers_checked(topology: Topology, names: list[str], groups: list[Any]) -> None:
+    indices = topology.stage_layers
+    if indices is None:
+        return
+    if len(indices) != len(names):
+        raise ValueError(
+            f"topology.stage_layers names {len(indices)} layers; the manifest holds {len(names)}"
+        )
+    seen: dict[tuple[Any, int], str] = {}
+    for name, group, index in zip(names, groups, indices):
+        other = seen.setdefault((group, index), name)
+        if other != name:
+            raise ValueError(
+                f"topology.stage_layers names global layer {index} twice (layers {other!r} and "
+                f"{name!r}, one KV-cache group)"
+            )
+
+
+def _interleave_checked(topology: Topology, name: str, tokens: int, kind: str) -> None:
+    interleave = topology.cp_kv_cache_interleave_size
+    if kind != "state" and tokens % interleave:
+        raise ValueError(
+            f"topology.cp_kv_cache_interleave_size {interleave} does not divide the {tokens} "
+            "block "
+            f"tokens of layer {name!r}"
+        )

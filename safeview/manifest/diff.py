@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from safeview.errors import ArgumentError, LayoutMismatchError, ManifestError
 from safeview.findings import Finding
-from safeview.manifest import CONNECTOR_RULES, Layer, Manifest, Topology, _nixl_rules
+from safeview.manifest import (
+    CONNECTOR_RULES,
+    Layer,
+    Manifest,
+    Topology,
+    _nixl_rules,
+    token_positions,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -171,8 +178,12 @@ def _numpy() -> Any:
 # -- what each page byte means --------------------------------------------------------------
 
 
-def _decode_page(layer: Layer, k: Array, token_base: Array | int = 0) -> dict[str, Array]:
-    """Per page byte ``k`` (an array): its meaning, as arrays named after ``_FIELDS``."""
+def _decode_page(
+    layer: Layer, k: Array, token_base: Array | int = 0, tokens: Tokens | None = None
+) -> dict[str, Array]:
+    """Per page byte ``k`` (an array): its meaning, as arrays named after ``_FIELDS``; with
+    ``tokens`` (each local slot's token position, context parallelism), the token is that
+    position, plus ``token_base``."""
     np = _numpy()
     status = np.where((k >= 0) & (k < layer.page_bytes), _DATA, _OUTSIDE).astype(np.int64)
     safe = np.where(status == _DATA, k, 0)
@@ -196,11 +207,15 @@ def _decode_page(layer: Layer, k: Array, token_base: Array | int = 0) -> dict[st
     else:
         head = np.full_like(k, -1)
     data = status == _DATA
+    token = values["token"]
+    if tokens is not None:
+        table = np.asarray(tokens, dtype=np.int64)
+        token = table[np.clip(token, 0, len(table) - 1)]
     return {
         "status": status,
         "block": np.zeros_like(k),
         "kv": np.where(data, kv, 0),
-        "token": np.where(data, values["token"] + token_base, 0),
+        "token": np.where(data, token + token_base, 0),
         "head": np.where(data, head, 0),
         "element": np.where(data, values["element"], 0),
         "byte": np.where(data, rest, 0),
@@ -250,6 +265,10 @@ def _meaning_at(fields: dict[str, Array], at: int, layer: Layer, with_block: boo
 # -- comparing one layer's pages, once per distinct pair of layouts --------------------------
 
 _Result = tuple[int, Meaning, Meaning, int] | None  # receiver byte, both meanings, block
+# where each side's tokens lie, under context parallelism: the receiver's slot -> position
+# table and first position, the sender's the same (``None``: identity, position 0)
+Tokens = tuple[int, ...]
+_TokenPlaces = tuple[Tokens | None, int, Tokens | None, int]
 
 
 def _first_difference(
@@ -289,8 +308,9 @@ def _compare_pieces(
     pieces: tuple[_nixl_rules.Piece, ...],
     ratio: int,
     permute: bool,
+    places: _TokenPlaces | None = None,
 ) -> _Result:
-    if _copied_whole(receiver, senders, pieces, ratio, permute):
+    if places is None and _copied_whole(receiver, senders, pieces, ratio, permute):
         return None
     key = (
         "pieces",
@@ -299,8 +319,11 @@ def _compare_pieces(
         tuple((p.receiver_start, p.length, p.sub_block, p.sender_start) for p in pieces),
         ratio,
         permute,
+        places,
     )
-    return _remembered(key, lambda: _fill_and_compare(receiver, senders, pieces, ratio, permute))
+    return _remembered(
+        key, lambda: _fill_and_compare(receiver, senders, pieces, ratio, permute, places)
+    )
 
 
 def _copied_whole(
@@ -333,9 +356,12 @@ def _fill_and_compare(
     pieces: tuple[_nixl_rules.Piece, ...],
     ratio: int,
     permute: bool,
+    places: _TokenPlaces | None = None,
 ) -> _Result:
     """Fill a receiver page from the senders' pages as ``pieces`` say (then permute, as vLLM's
-    receive-side reorder does), and compare meanings byte by byte."""
+    receive-side reorder does), and compare meanings byte by byte; with ``places``, tokens
+    are compared by position (context parallelism)."""
+    mine, mine_base, theirs, theirs_base = places or (None, 0, None, 0)
     size = receiver.page_bytes
     for k in _slices(size):
         pre = k
@@ -352,10 +378,12 @@ def _fill_and_compare(
         for piece, sender in zip(pieces, senders):
             mask = (pre >= piece.receiver_start) & (pre < piece.receiver_start + piece.length)
             source = pre[mask] - piece.receiver_start + piece.sender_start
-            decoded = _decode_page(sender, source, piece.sub_block * sender.size_of("token"))
+            base = theirs_base + piece.sub_block * sender.size_of("token")
+            decoded = _decode_page(sender, source, base, theirs)
             for name in _FIELDS:
                 sent[name][mask] = decoded[name]
-        found = _first_difference(receiver, _decode_page(receiver, k), sent, senders[0])
+        received = _decode_page(receiver, k, mine_base, mine)
+        found = _first_difference(receiver, received, sent, senders[0])
         if found is not None:
             return (int(k[0]) + found[0], *found[1:])
     return None
@@ -439,9 +467,9 @@ def _ranks(side: Manifest | Sequence[Manifest], what: str) -> dict[int, Manifest
     return by_rank
 
 
-def _block_contiguous(layer: Layer, layout: str | None) -> bool:
-    if layout is not None:
-        return layout.endswith("HNC")
+def _block_contiguous(layer: Layer) -> bool:
+    """Whether a page holds heads before tokens, read off its strides: what vLLM's rule goes
+    by where the topology names no layout (``_nixl_rules.plan_layer`` reads one it names)."""
     order = [axis.axis for axis in layer.axes if axis.size > 1 and not axis.outer]
     return order[:2] == ["head", "token"] or (order[:1] == ["token"] and layer.size_of("head") == 1)
 
@@ -509,12 +537,18 @@ def diff(
     sender: Manifest | Sequence[Manifest],
     receiver: Manifest | Sequence[Manifest],
     rule: Rule | None = None,
+    *,
+    by_position: bool = False,
 ) -> DiffReport:
     """Compare what a sender's bytes mean with what a receiver reads them as, layer by layer,
     by name; each side one manifest or one per TP rank (a sequence is one engine's ranks: a
     rank its TP size declares and none holds is a ``missing_rank`` finding). Without a
     ``rule``, the rule of the connector the manifests name (``topology.connector``), else
-    ``page_copy``. See the module's docstring."""
+    ``page_copy``. Tokens are compared by position under context parallelism (each side's
+    ``token_positions``), and layers by global index where both sides name it
+    (``topology.stage_layers``). ``by_position``: the connector pairs the two sides'
+    registered layers by position, not by name (sglang#37175): each position whose two layers
+    are not one layer is a finding. See the module's docstring."""
     if rule is not None and rule not in RULES:
         raise ArgumentError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
     senders = _ranks(sender, "sender")
@@ -542,6 +576,9 @@ def diff(
     single = len(senders) == 1 and len(receivers) == 1
     in_place_per_layer = any(_per_layer(m) for m in (*senders.values(), *receivers.values()))
     for rank, manifest in sorted(receivers.items()):
+        source = next(iter(senders.values())) if single else senders.get(rank)
+        source = source or next(iter(senders.values()))
+        findings += _stage_findings(rank, manifest, source, by_position)
         if rule == "vllm_nixl":
             findings += _nixl_rank(rank, manifest, senders, skipped, gone)
             continue
@@ -564,6 +601,7 @@ def diff(
                 rank,
                 (source.topology.tp_rank,),
                 in_place_per_layer,
+                (manifest.topology, source.topology),
             )
     return DiffReport(
         rule,
@@ -589,7 +627,9 @@ def _pair(
     rank: int,
     sources: tuple[int, ...],
     per_layer: bool = False,
+    topologies: tuple[Topology, Topology] | None = None,
 ) -> list[Finding]:
+    spread = topologies is not None and max(t.cp_size for t in topologies) > 1
     if mine.dtype != theirs.dtype:
         dtype = Finding.diff_dtype(
             name,
@@ -602,12 +642,22 @@ def _pair(
         return [dtype]
     if rule == "in_place":
         found = _compare_in_place(mine, theirs, per_layer)
-    elif mine.fingerprint == theirs.fingerprint:
+    elif mine.fingerprint == theirs.fingerprint and not spread:
         found = None  # the same meaning for every page byte: a page copy changes nothing
     else:
         length = min(mine.page_bytes, theirs.page_bytes)
         piece = _nixl_rules.Piece(0, length, sources[0], 0, 0)
-        found = _compare_pieces(mine, (theirs,), (piece,), 1, False)
+        found = None
+        # under context parallelism block b's tokens depend on b: blocks 0 and 1 are compared
+        for block in (0, 1) if spread else (0,):
+            places = None
+            if spread and topologies is not None:
+                places = _places(mine, theirs, topologies, block, block)
+            found = _compare_pieces(mine, (theirs,), (piece,), 1, False, places)
+            if found is not None and topologies is not None:
+                where = f"{where} (block {block})" if block else where
+                where += _spans(mine, theirs, topologies)
+                break
     findings = []
     if rule == "page_copy" and theirs.page_bytes > mine.page_bytes:
         findings.append(
@@ -677,6 +727,12 @@ def _nixl_rank(
         if layer.kind == "state":
             skipped[name] = "state (Mamba) layers move by vLLM's ssm_sizes rules, not judged here"
             continue
+        if layer.kind != "latent" and max(mine.cp_size, theirs.cp_size) > 1:
+            skipped[name] = (
+                "vLLM 0.33's NIXL connector pairs context-parallel blocks for MLA only; "
+                "attention under DCP/PCP is not judged here"
+            )
+            continue
         sent = tuple(m.layers.get(name) for _, m in sides)
         key = (layer.fingerprint, *(None if other is None else other.fingerprint for other in sent))
         if key in outcomes:
@@ -716,13 +772,15 @@ def _nixl_layer(
         page_bytes=layer.page_bytes,
         remote_page_bytes=first.page_bytes,
         replicated=replicated,
-        block_contiguous=_block_contiguous(layer, mine.layout),
+        block_contiguous=_block_contiguous(layer),
         layout=mine.layout,
         remote_layout=theirs.layout,
     )
     if plan.refused is not None:
         return ("refused", plan.refused)
     by_rank = {sender_rank: other for (sender_rank, _), other in zip(sides, sent)}
+    if max(mine.cp_size, theirs.cp_size) > 1:
+        return _nixl_context_parallel(rank, layer, by_rank, mine, theirs, gone)
     sources = tuple(dict.fromkeys(piece.sender_rank for piece in plan.pieces))
     missing = [s for s in sources if by_rank.get(s) is None]
     if missing and all(s in gone for s in missing):
@@ -741,6 +799,55 @@ def _nixl_layer(
         plan.permute,
     )
     return None if found is None else ("byte", found, sources)
+
+
+def _nixl_context_parallel(
+    rank: int,
+    layer: Layer,
+    by_rank: dict[int, Layer | None],
+    mine: Topology,
+    theirs: Topology,
+    gone: set[int],
+) -> _Outcome:
+    """An MLA layer of D rank ``rank`` under vLLM 0.33's NIXL with context parallelism on
+    either side: vLLM's refusals (``_validate_remote_parallel_config``, DCP sizes that do not
+    divide), then its block pairing (``_nixl_rules.dcp_pairs``: blocks matched by global
+    block position), each pair's whole page compared by token position (the first two pairs
+    of every P rank D reads)."""
+    refused = _nixl_rules.refuse_context_parallel(
+        dcp_size=mine.dcp_size,
+        pcp_size=mine.pcp_size,
+        remote_dcp_size=theirs.dcp_size,
+        remote_pcp_size=theirs.pcp_size,
+    )
+    if refused is not None:
+        return ("refused", refused)
+    sources = tuple(
+        _nixl_rules.dcp_source_ranks(
+            rank, mine.tp_size, mine.dcp_size, theirs.tp_size, theirs.dcp_size
+        )
+    )
+    missing = [s for s in sources if by_rank.get(s) is None]
+    if missing and all(s in gone for s in missing):
+        return _LEFT_OUT
+    if missing:
+        return ("missing_rank", missing[0], sources)
+    for source in sources:
+        other = by_rank[source]
+        assert other is not None
+        if other.dtype != layer.dtype:
+            return ("dtype", layer.dtype, other.dtype, sources)
+        pairs = _nixl_rules.dcp_pairs(
+            mine.dcp_size, mine.dcp_rank, theirs.dcp_size, source, count=2
+        )
+        piece = _nixl_rules.Piece(0, min(layer.page_bytes, other.page_bytes), source, 0, 0)
+        sender_view = theirs.model_copy(update={"dcp_rank": source % theirs.dcp_size})
+        for local, remote in pairs:
+            places = _places(layer, other, (mine, sender_view), local, remote)
+            found = _compare_pieces(layer, (other,), (piece,), 1, False, places)
+            if found is not None:
+                return ("byte", found, (source,))
+    return None
 
 
 def _nixl_finding(name: str, outcome: tuple[Any, ...], rank: int, where: str) -> Finding:
@@ -772,3 +879,88 @@ def _nixl_finding(name: str, outcome: tuple[Any, ...], rank: int, where: str) ->
     rule: Rule = "vllm_nixl"
     at = f"{where}, from sender ranks {list(sources)}"
     return _byte_finding(name, found, rule, at, rank, sources)
+
+
+# -- parallelism: where tokens lie, which layer is which --------------------------------------
+
+
+def _token_table(topology: Topology, layer: Layer) -> tuple[tuple[int, ...], int]:
+    """A layer's slot -> token position table and the tokens one of its blocks stands for."""
+    tokens = layer.size_of("token")
+    positions = token_positions(topology, tokens)
+    return positions, tokens * topology.cp_size
+
+
+def _places(
+    mine: Layer,
+    theirs: Layer,
+    topologies: tuple[Topology, Topology],
+    mine_block: int,
+    theirs_block: int,
+) -> _TokenPlaces:
+    """Where the tokens of receiver block ``mine_block`` and sender block ``theirs_block`` lie
+    (block ``b``'s slots hold positions ``b * tokens * W`` on, as each side places them)."""
+    mine_table, mine_span = _token_table(topologies[0], mine)
+    theirs_table, theirs_span = _token_table(topologies[1], theirs)
+    return mine_table, mine_block * mine_span, theirs_table, theirs_block * theirs_span
+
+
+def _spans(mine: Layer, theirs: Layer, topologies: tuple[Topology, Topology]) -> str:
+    """Words for two sides whose blocks stand for different numbers of tokens: block ``b``
+    of one is not block ``b`` of the other, and a key made per block (a store's put, a
+    ``zip`` of block lists) pairs other tokens."""
+    mine_span, theirs_span = (
+        _token_table(topologies[0], mine)[1],
+        _token_table(topologies[1], theirs)[1],
+    )
+    if mine_span == theirs_span:
+        return ""
+    return (
+        f"; a sender block stands for {theirs_span} tokens (DCP x PCP "
+        f"{topologies[1].cp_size}), a receiver block for {mine_span} (DCP x PCP "
+        f"{topologies[0].cp_size}): blocks paired or keyed one to one hold other tokens"
+    )
+
+
+def _stage_findings(
+    rank: int, manifest: Manifest, source: Manifest, by_position: bool
+) -> list[Finding]:
+    """Layers the two sides pair that are not one layer: by name, a name whose global index
+    (``topology.stage_layers``) differs; by position, each position whose two layers differ
+    in global index (both sides give it) or else in name. One finding per pair, at byte 0."""
+    mine, theirs = manifest.topology, source.topology
+    mine_index = dict(zip(manifest.layers, mine.stage_layers or ()))
+    theirs_index = dict(zip(source.layers, theirs.stage_layers or ()))
+    both = bool(mine_index) and bool(theirs_index)
+    where = f" (receiver rank {rank})" if mine.tp_size > 1 or theirs.tp_size > 1 else ""
+    findings = []
+    if by_position:
+        pairs = list(zip(manifest.layers, source.layers))
+    else:
+        pairs = [(name, name) for name in manifest.layers if name in source.layers]
+    for position, (name, other) in enumerate(pairs):
+        same = mine_index[name] == theirs_index[other] if both else name == other
+        if same:
+            continue
+        said = (
+            f"global layer {mine_index[name]}, the sender's {other!r} is global layer "
+            f"{theirs_index[other]}"
+            if both
+            else f"the sender's layer there is {other!r}"
+        )
+        how = f"paired by position ({position})" if by_position else "paired by name"
+        message = (
+            f"{name}: receiver page byte 0 of this layer is {said}; {how}, it would be filled "
+            f"with another layer's bytes{where}"
+        )
+        findings.append(
+            Finding._of_layer(
+                "byte",
+                name,
+                message,
+                byte=0,
+                receiver_rank=rank,
+                sender_ranks=(theirs.tp_rank,),
+            )
+        )
+    return findings

@@ -14,7 +14,11 @@ always a ``ManifestError`` naming the peer and the field, never another exceptio
 
 A request carries only ``request_token``: ``sv1:RANK/SIZE:`` and the first 24 hex digits of
 the sender rank's fingerprint (96 bits: no two layouts met in practice share them), which the
-receiver compares with the manifests it has judged (``token_matches``).
+receiver compares with the manifests it has judged (``token_matches``); under context
+parallelism ``cpPOSITION/SIZEiINTERLEAVE:`` comes before the digits (a token without it is
+DCP = PCP = 1), so that a receiver refuses another token placement before it reads.
+``check_transfer_params`` compares the TP size a request's ``kv_transfer_params`` claims with
+the sender's own (vllm#47764).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "WIRE_CAP_BYTES",
     "WIRE_SCHEMA",
     "RequestToken",
+    "check_transfer_params",
     "from_wire",
     "parse_request_token",
     "request_token",
@@ -45,7 +50,10 @@ WIRE_SCHEMA: Literal["urn:safeview:manifest-wire:1"] = "urn:safeview:manifest-wi
 # layers of four shapes: ~25 KB). The cap bounds what a peer can make the receiver parse.
 WIRE_CAP_BYTES = 256 * 1024
 TOKEN_PREFIX_HEX = 24
-_TOKEN = re.compile(rf"sv1:(\d{{1,5}})/(\d{{1,5}}):([0-9a-f]{{{TOKEN_PREFIX_HEX}}})")
+_TOKEN = re.compile(
+    rf"sv1:(\d{{1,5}})/(\d{{1,5}}):(?:cp(\d{{1,5}})/(\d{{1,5}})i(\d{{1,9}}):)?"
+    rf"([0-9a-f]{{{TOKEN_PREFIX_HEX}}})"
+)
 _KEYS = {"$schema", "fingerprint", "topology", "pages", "prefix", "suffix", "layers"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -259,7 +267,10 @@ def from_wire(data: bytes | str, *, peer: str) -> Manifest:
             raise ManifestError(f"{peer}: {where}[0]", name, "names a layer a second time")
         seen.add(name)
         entries.append((name, template, offset))
-    derived = Derived(topology, entries)
+    try:  # the topology against the layers: a stage per layer, an interleave that divides
+        derived = Derived(topology, entries)
+    except ManifestError as error:
+        raise ManifestError(f"{peer}: {error.field}", error.value, error.limit) from None
     if derived.fingerprint != fingerprint:
         raise ManifestError(
             f"{peer}: fingerprint",
@@ -271,12 +282,16 @@ def from_wire(data: bytes | str, *, peer: str) -> Manifest:
 
 
 class RequestToken(NamedTuple):
-    """What a request's token says: the sender's TP rank and size, and the first
-    ``TOKEN_PREFIX_HEX`` hex digits of that rank's manifest fingerprint."""
+    """What a request's token says: the sender's TP rank and size, the first
+    ``TOKEN_PREFIX_HEX`` hex digits of that rank's manifest fingerprint, and its token
+    placement (context-parallel position and size, interleave: 0, 1, 1 without)."""
 
     tp_rank: int
     tp_size: int
     fingerprint_prefix: str
+    cp_rank: int = 0
+    cp_size: int = 1
+    interleave: int = 1
 
 
 def request_token(manifest: Manifest | Derived) -> str:
@@ -284,7 +299,12 @@ def request_token(manifest: Manifest | Derived) -> str:
     characters), for a request's ``kv_transfer_params``."""
     topology = manifest.topology
     prefix = manifest.fingerprint[:TOKEN_PREFIX_HEX]
-    return f"sv1:{topology.tp_rank}/{topology.tp_size}:{prefix}"
+    placement = ""
+    if topology.cp_size > 1:
+        placement = (
+            f"cp{topology.cp_rank}/{topology.cp_size}i{topology.cp_kv_cache_interleave_size}:"
+        )
+    return f"sv1:{topology.tp_rank}/{topology.tp_size}:{placement}{prefix}"
 
 
 def parse_request_token(text: object, *, peer: str) -> RequestToken:
@@ -305,7 +325,17 @@ def parse_request_token(text: object, *, peer: str) -> RequestToken:
         raise ManifestError(
             f"{peer}: request token", text, f"holds rank {rank} of TP {size}: not a rank of it"
         )
-    return RequestToken(rank, size, match.group(3))
+    if match.group(3) is None:
+        return RequestToken(rank, size, match.group(6))
+    cp_rank, cp_size, interleave = (int(match.group(at)) for at in (3, 4, 5))
+    if not 2 <= cp_size <= MAX_RANKS or cp_rank >= cp_size or interleave < 1:
+        raise ManifestError(
+            f"{peer}: request token",
+            text,
+            f"holds context-parallel position {cp_rank} of {cp_size}, interleave "
+            f"{interleave}: not a position of it",
+        )
+    return RequestToken(rank, size, match.group(6), cp_rank, cp_size, interleave)
 
 
 def token_matches(token: RequestToken, manifest: Manifest | Derived) -> bool:
@@ -314,5 +344,29 @@ def token_matches(token: RequestToken, manifest: Manifest | Derived) -> bool:
     return (
         token.tp_rank == topology.tp_rank
         and token.tp_size == topology.tp_size
+        and (token.cp_rank, token.cp_size) == (topology.cp_rank, topology.cp_size)
+        and (token.cp_size == 1 or token.interleave == topology.cp_kv_cache_interleave_size)
         and manifest.fingerprint.startswith(token.fingerprint_prefix)
     )
+
+
+def check_transfer_params(params: object, token: RequestToken) -> str | None:
+    """Why a request's ``kv_transfer_params`` cannot be trusted to place its pages, or
+    ``None``: its ``tp_size`` (the sender's TP size, which the receiver's rank mapping reads)
+    is not the sender's own, as its token says. vllm#47764: a proxy left ``tp_size`` at its
+    default 1 and all 8 P ranks wrote into D rank 0."""
+    if not isinstance(params, dict):
+        return f"kv_transfer_params is a {type(params).__name__}, not a mapping"
+    for key in ("tp_size",):
+        claimed = params.get(key)
+        if claimed is None:
+            continue
+        if isinstance(claimed, bool) or not isinstance(claimed, int):
+            return f"kv_transfer_params[{key!r}] is {claimed!r}, not a TP size"
+        if claimed != token.tp_size:
+            return (
+                f"kv_transfer_params[{key!r}] is {claimed}, but the sender rank "
+                f"{token.tp_rank} runs TP {token.tp_size}: pages would be placed for TP "
+                f"{claimed}"
+            )
+    return None

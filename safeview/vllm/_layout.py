@@ -171,9 +171,53 @@ def describe_caches(
             kinds[name] = "state"
     if not caches:
         raise ManifestError("kv_caches", len(kv_caches), "hold no attention, MLA or Mamba layer")
+    if topology.pp_size > 1 and topology.stage_layers is None:
+        topology = topology.model_copy(update={"stage_layers": _stage_layers(caches)})
     # one tuple for every layer when they share it: describe reads it once
     shared = next(iter(axes_of.values())) if len(axes_of) == 1 else None
     return derive(caches, axes=shared or axes, topology=topology, groups=groups, kinds=kinds)
+
+
+def _stage_layers(caches: Mapping[str, Any]) -> tuple[int, ...]:
+    """Each layer's global index, as vLLM reads it from the layer's name
+    (``extract_layer_index``: ``model.layers.17.self_attn.attn`` is layer 17, on any stage)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return tuple(int(extract_layer_index(name)) for name in caches)
+
+
+def _parallel(config: Any, worker: Any = None) -> dict[str, int]:
+    """Context parallelism and the pipeline stage, under vLLM's names, where they are not
+    1 (a manifest without them reads as 1): ``parallel_config``'s sizes and interleave, the
+    worker's DCP and PCP ranks (vLLM's NIXL worker holds them; else vLLM's groups), the
+    pipeline rank."""
+    parallel = getattr(config, "parallel_config", None)
+    found: dict[str, int] = {}
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if dcp * pcp > 1:
+        found["dcp_size"], found["pcp_size"] = dcp, pcp
+        found["cp_kv_cache_interleave_size"] = int(
+            getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1
+        )
+        found["dcp_rank"] = _rank(worker, "dcp_rank", "get_dcp_group", dcp)
+        found["pcp_rank"] = _rank(worker, "pcp_rank", "get_pcp_group", pcp)
+    if pp > 1:
+        found["pp_size"] = pp
+        found["pp_rank"] = _rank(worker, "pp_rank", "get_pp_group", pp)
+    return found
+
+
+def _rank(worker: Any, attribute: str, group: str, size: int) -> int:
+    if size == 1:
+        return 0
+    held = getattr(worker, attribute, None)
+    if isinstance(held, int):
+        return held
+    from vllm.distributed import parallel_state
+
+    return int(getattr(parallel_state, group)().rank_in_group)
 
 
 def _specs_and_groups(kv_cache_config: Any) -> dict[str, tuple[Any, int]]:
@@ -203,6 +247,7 @@ def _worker_topology(worker: Any) -> Topology:
         engine_version=f"vllm {_vllm_version()}",
         layout=str(worker.kv_cache_layout),
         connector="NixlConnector",  # whose rule safeview diff applies: vllm_nixl
+        **_parallel(config, worker),
     )
 
 
@@ -234,6 +279,7 @@ def _connector_topology(connector: Any) -> Topology:
         engine_version=f"vllm {_vllm_version()}",
         layout=None if layout is None else str(getattr(layout, "name", layout)),
         connector=type(connector).__name__,
+        **_parallel(config),
     )
 
 
