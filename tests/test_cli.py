@@ -232,6 +232,7 @@ def test_map_target_is_refused_before_any_plan_is_read(
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file_name", ["vllm_unit_test.json", "qwen3_next_hybrid.json"])
 def test_map_of_contiguous_and_hybrid_layouts(tmp_path: Path, file_name: str) -> None:
     target = tmp_path / "map.png"
@@ -399,6 +400,7 @@ def _with_terminal_stderr(*args: str) -> tuple[int, str]:
     return process.wait(timeout=60), written.decode()
 
 
+@pytest.mark.slow
 def test_a_slow_check_shows_progress_on_a_terminal() -> None:
     code, written = _with_terminal_stderr("1.6", "check", GLM)
     assert code == 0
@@ -634,6 +636,7 @@ def _plan_file(path: Path, storages: list[dict[str, Any]], views: list[dict[str,
     return str(path)
 
 
+@pytest.mark.slow
 def test_map_of_a_view_ending_past_2_64_is_drawn(tmp_path: Path) -> None:
     top = 2**63 - 1
     plan = _plan_file(tmp_path / "plan.json", [{"name": "kv", "nbytes": top}], [
@@ -649,6 +652,7 @@ def test_map_of_a_view_ending_past_2_64_is_drawn(tmp_path: Path) -> None:
     assert (tmp_path / "map.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_map_of_one_view_of_a_billion_times_too_many_blocks_takes_seconds(tmp_path: Path) -> None:
     plan = _plan_file(tmp_path / "plan.json", [{"name": "kv", "nbytes": 42_072 * 3_098_112}], [
         {"name": "model.layers.0.self_attn", "storage": "kv", "num_blocks": 42_072 * 10**9,
@@ -749,6 +753,7 @@ def test_json_prints_one_document_when_the_map_target_is_refused(tmp_path: Path)
     assert _one_error_line(result.stderr) == f"safeview: {why}"
 
 
+@pytest.mark.slow
 def test_json_prints_one_document_when_standard_input_is_named_twice() -> None:
     result = _safeview("check", "--json", "-", "-", input="{}")
     assert result.returncode == 2
@@ -852,3 +857,17 @@ def test_an_empty_log_level_with_a_log_format_is_the_default_level() -> None:
     result = _safeview("check", CLEAN, env=_env(SAFEVIEW_LOG_FORMAT="json", SAFEVIEW_LOG_LEVEL=""))
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
+
+
+def test_run_help_says_the_default_policy_is_strict_and_it_is() -> None:
+    """``safeview run --help`` names the default policy, and the default is what it says: the
+    command runs with ``SAFEVIEW_GUARD=strict``."""
+    result = _safeview("run", "--help")
+    assert result.returncode == 0, result.stderr
+    options = result.stdout.split("options:", 1)[1]
+    policy = " ".join(options.split("--policy {strict,warn}", 1)[1].split())
+    assert policy.startswith("strict (the default): a bad call raises BoundsError"), policy
+    assert "Under strict (the default)" in " ".join(result.stdout.split())
+    shown = "import os; print(os.environ['SAFEVIEW_GUARD'])"
+    ran = _safeview("run", "--", sys.executable, "-c", shown)
+    assert (ran.returncode, ran.stdout) == (0, "strict\n"), ran.stderr

@@ -127,6 +127,7 @@ def test_bad_input_is_one_line_exit_2_never_compatible(tmp_path: Path, case: str
     assert json.loads(as_json.stdout)["verdict"] == "error"
 
 
+@pytest.mark.slow
 def test_upgrade_diff_of_two_folders(tmp_path: Path) -> None:
     old = engine(tmp_path / "old", 2)
     same = run(str(old), str(engine(tmp_path / "new", 2)))
@@ -136,6 +137,7 @@ def test_upgrade_diff_of_two_folders(tmp_path: Path) -> None:
     assert moved.stdout == ""
 
 
+@pytest.mark.slow
 def test_the_example_shows_a_valid_pair_then_the_layer_that_moved() -> None:
     example = Path(__file__).parent.parent / "examples" / "two_engines.py"
     result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True)
@@ -158,7 +160,7 @@ def test_a_folder_of_two_engines_is_bad_input(tmp_path: Path) -> None:
 
 
 def plugin_engine(root: Path, name: str, tp: int, *, heads: int = 8, tokens: int = 16,
-                  mla: bool = False) -> Path:  # fmt: skip
+                  mla: bool = False, layout: str = "LBHNC") -> Path:  # fmt: skip
     """One engine's manifests as the vLLM plugin writes them with SAFEVIEW_MANIFEST_DIR=root:
     ``root/ENGINE/ENGINE.tpRofN.manifest.json``, naming vLLM's NIXL connector."""
     import torch
@@ -172,7 +174,7 @@ def plugin_engine(root: Path, name: str, tp: int, *, heads: int = 8, tokens: int
         caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, device="meta")
                   for i in range(3)}  # fmt: skip
         topology = {"tp_rank": rank, "tp_size": tp, "total_kv_heads": 1 if mla else heads,
-                    "engine": name, "layout": "LBHNC", "connector": "NixlConnector",
+                    "engine": name, "layout": layout, "connector": "NixlConnector",
                     "engine_version": "vllm 0.33.0"}  # fmt: skip
         manifest = describe(caches, axes=vllm_axes("mla" if mla else "attention"),
                             topology=topology)  # fmt: skip
@@ -180,6 +182,7 @@ def plugin_engine(root: Path, name: str, tp: int, *, heads: int = 8, tokens: int
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("p", "d"),
     [
@@ -207,6 +210,26 @@ def test_the_plugins_folders_diff_by_the_connectors_rule_without_a_flag(
     assert document["receiver_ranks"] == list(range(d["tp"]))
     if p != d:  # a page copy is not how these bytes move
         assert run(str(prefill), str(decode), "--rule", "page_copy").returncode == 1
+
+
+@pytest.mark.slow
+def test_a_layout_in_vllms_older_words_is_read_and_a_typo_is_named(tmp_path: Path) -> None:
+    """``HND`` (vLLM's older word for LBHNC, and FlashInfer's) is the block-contiguous layout
+    heterogeneous TP needs: TP 2 -> 4 is compatible, as with LBHNC. A string vLLM would not
+    take is bad input: one line naming it and the names accepted, not a refusal per layer."""
+    prefill = plugin_engine(tmp_path / "m-of-P", "prefill", 2, layout="HND")
+    decode = plugin_engine(tmp_path / "m-of-D", "decode", 4, layout="HND")
+    result = run(str(prefill), str(decode))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("COMPATIBLE ")
+    typo = plugin_engine(tmp_path / "typo", "decode", 4, layout="foo")
+    result = run(str(prefill), str(typo))
+    assert result.returncode == 2, result.stdout
+    [line] = result.stderr.splitlines()
+    assert (
+        "topology.layout: 'foo' is not a layout of vLLM's (kv_cache_layout): expected one "
+        "of LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC, or HND (LBHNC), NHD (LBNHC)" in line
+    ), line
 
 
 def test_a_folder_of_several_engines_folders_says_which_and_how_to_name_one(
@@ -423,6 +446,7 @@ def put(url: str, key: str, data: bytes) -> None:
         assert response.status == 200
 
 
+@pytest.mark.slow
 def test_a_manifest_in_mooncakes_metadata_server_is_a_side(
     tmp_path: Path, metadata_server: str
 ) -> None:
@@ -447,6 +471,7 @@ def test_a_manifest_in_mooncakes_metadata_server_is_a_side(
     assert run(f"{metadata_server}?key=mooncake/safeview/file", str(decode)).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_store_url_that_fails_is_one_line_exit_2(tmp_path: Path, metadata_server: str) -> None:
     decode = str(engine(tmp_path / "d", 2))
     put(metadata_server, "mooncake/safeview/forged",
@@ -494,4 +519,80 @@ def test_a_redirect_off_the_machine_is_not_followed(tmp_path: Path) -> None:
         server.shutdown()
         server.server_close()
     assert result.returncode == 2
-    assert "cannot be fetched: HTTP 302" in result.stderr
+    [line] = result.stderr.splitlines()
+    assert "cannot be fetched: HTTP 302 (a redirect to 'http://10.0.0.1/metadata?key=k': not " \
+        "followed" in line, line  # fmt: skip
+
+
+class Trickle:
+    """A server on 127.0.0.1 that answers every request a byte at a time, one every half
+    second, for as long as it runs: from the status line on (``headers``), or after a status
+    line and headers sent at once that promise a megabyte (``body``). urllib's timeout is per
+    read, and each byte renews it: such a server kept a fetch reading for days."""
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/metadata?key=k"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> Trickle:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.listener.close()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._answer, args=(client,), daemon=True).start()
+
+    def _answer(self, client: socket.socket) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n"
+        with client:
+            client.recv(65536)
+            if self.phase == "body":
+                client.sendall(head)
+            slow = head + b"{" * 1000000 if self.phase == "headers" else b"{" * 1000000
+            for at in range(len(slow)):
+                if self.stop.wait(0.5):
+                    return
+                try:
+                    client.sendall(slow[at : at + 1])
+                except OSError:  # the reader gave up: what a bounded fetch does
+                    return
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_a_store_url_that_trickles_its_answer_is_given_up_at_10_s(
+    tmp_path: Path, phase: str
+) -> None:
+    """The whole fetch is bounded, not each read: exit 2 within about 10 s, naming the URL and
+    the bound, whether the server trickles its headers or its body."""
+    from safeview.cli._diff import FETCH_TIMEOUT_S
+
+    decode = str(engine(tmp_path / "d", 2))
+    with Trickle(phase) as server:
+        started = time.monotonic()
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "safeview", "diff", server.url, decode],
+                capture_output=True, text=True, timeout=FETCH_TIMEOUT_S + 20,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"safeview diff was still reading after {FETCH_TIMEOUT_S + 20:g} s")
+        elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stdout
+    assert FETCH_TIMEOUT_S <= elapsed < FETCH_TIMEOUT_S + 5, elapsed
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"safeview: {server.url}"), line
+    assert "cannot be fetched: no whole answer within 10 s" in line, line

@@ -308,6 +308,42 @@ def test_same_layout_string_other_physical_layout_names_the_first_wrong_byte() -
     )
 
 
+def test_a_topology_layout_is_read_as_vllm_reads_it_and_a_typo_is_named() -> None:
+    """The layout string a topology reports: vLLM's names, in any case, and its older words HND
+    and NHD (what its configuration still takes for LBHNC and LBNHC); a refusal names the
+    string it read and what it expected; any other string is a ManifestError naming it and the
+    names accepted, not a refusal of every layer (which "HND" and "foo" both were)."""
+
+    def side(tp: int, physical: str, said: str) -> list[Manifest]:
+        return [
+            manifest_of(engine_rank(tp, r, 8, 16, physical, 2, False, 2), tp, r, 8, said, False)
+            for r in range(tp)
+        ]
+
+    # TP 2 -> 4: vLLM splits P's pages by heads, which needs D's heads outermost
+    for p_said, d_said in (("HND", "HND"), ("hnd", "LBHNC"), ("LBHNC", "HND")):
+        report = safeview.diff(side(2, "LBHNC", p_said), side(4, "LBHNC", d_said), "vllm_nixl")
+        assert report.compatible, (p_said, d_said, [f.message for f in report.findings])
+    report = safeview.diff(side(2, "LBNHC", "NHD"), side(4, "LBNHC", "NHD"), "vllm_nixl")
+    assert {f.kind for f in report.findings} == {"refused"}
+    assert "heterogeneous TP needs a block-contiguous layout on D, heads before tokens in a " \
+        "block (LBHNC or BLHNC; HND in vLLM's older words): D's layout 'NHD' (LBNHC)" in \
+        report.findings[0].message  # fmt: skip
+    report = safeview.diff(side(2, "LBHNC", "HND"), side(4, "LBNHC", "LBNHC"), "vllm_nixl")
+    assert "layouts differ: P 'HND' (LBHNC), D 'LBNHC'" in report.findings[0].message
+    for typo in ("foo", "HDN", "NL_X_NB_NH_BS_2HS"):
+        with pytest.raises(ManifestError) as bad:
+            safeview.diff(side(2, "LBHNC", "LBHNC"), side(4, "LBHNC", typo), "vllm_nixl")
+        assert bad.value.field == "D rank 0: topology.layout"
+        assert bad.value.value == typo
+        assert str(bad.value).endswith(
+            f"{typo!r} is not a layout of vLLM's (kv_cache_layout): expected one of LBHNC, "
+            "LBNHC, LHBNC, BLHNC, BLNHC, BHLNC, or HND (LBHNC), NHD (LBNHC)"
+        )
+    with pytest.raises(ManifestError, match=r"^P: topology\.layout: 'foo' is not"):
+        safeview.diff(side(2, "LBHNC", "foo"), side(4, "LBHNC", "LBHNC"), "vllm_nixl")
+
+
 def test_nhd_against_hnd_pr33007_is_a_mismatch_under_a_page_copy() -> None:
     hnd = manifest_of(engine_rank(1, 0, 4, 16, "LBHNC", 3, False, 1), 1, 0, 4, "LBHNC", False)
     nhd = manifest_of(engine_rank(1, 0, 4, 16, "LBNHC", 3, False, 1), 1, 0, 4, "LBNHC", False)

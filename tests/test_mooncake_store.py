@@ -14,12 +14,15 @@ sets it) a missing engine is a failure instead.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import math
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -183,6 +186,7 @@ class Receiver:
         page_shape: tuple[int, ...] = (HEADS, TOKENS, DIM),
         axes: tuple[str, ...] = AXES,
         policy: PolicyName = "strict",
+        guard_store: str | None = None,
     ) -> None:
         self.engine = TransferEngine()
         self.segment = f"127.0.0.1:{_free_port()}"
@@ -196,7 +200,7 @@ class Receiver:
         # initialized before it was guarded: the guard is told the store and the segment
         self.guarded = mooncake.guard(
             self.engine, registration, policy=policy, manifest=self.manifest,
-            metadata_server=store, segment=self.segment,
+            metadata_server=guard_store or store, segment=self.segment,
         )  # fmt: skip
         assert self.engine.register_memory(self.destination.data_ptr(), NBYTES) == 0
 
@@ -444,3 +448,93 @@ def test_p2phandshake_has_no_store_the_pair_is_not_judged_and_says_why() -> None
         (checked,) = _layout_events(events)
         assert checked["verdict"] == "not_judged"
         assert "P2PHANDSHAKE" in checked["reason"]
+
+
+class _Store(http.server.BaseHTTPRequestHandler):
+    """A store's stand-in on 127.0.0.1 that takes every PUT (the receiver's own manifest) and
+    answers a GET as its server's ``answer`` says: ``trickle``, a byte every half second of a
+    megabyte it promises, for 20 s; ``redirect``, a 302 to ``location``."""
+
+    server: Any
+
+    def do_PUT(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        if self.server.answer == "redirect":
+            self.send_response(302)
+            self.send_header("Location", self.server.location)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(1 << 20))
+        self.end_headers()
+        ends = time.monotonic() + 20  # a read that is not bounded fails the test, never hangs
+        while not self.server.stopping.wait(0.5) and time.monotonic() < ends:
+            try:
+                self.wfile.write(b"{")
+                self.wfile.flush()
+            except OSError:  # the reader gave up, as a bounded read does
+                return
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _store_that(answer: str, location: str = "") -> Iterator[str]:
+    """The ``/metadata`` URL of a ``_Store`` that answers GETs as ``answer`` says."""
+    server: Any = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Store)
+    server.answer, server.location, server.stopping = answer, location, threading.Event()
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/metadata"
+    finally:
+        server.stopping.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_store_that_trickles_its_answer_is_given_up_within_store_timeout_s(
+    store: str, senders: Any
+) -> None:
+    """``STORE_TIMEOUT_S`` bounds the whole read, not each of its reads: a store that sends a
+    byte every half second (each renewing a per-read timeout) holds the first transfer no
+    longer, and the pair is not judged, saying why; under strict, no byte moves."""
+    segment, address = senders["safeview"]
+    with _store_that("trickle") as slow:
+        receiver = Receiver(store, guard_store=slow)
+        started = time.monotonic()
+        with capture_events() as events, pytest.raises(ManifestError) as refused:
+            receiver.read(segment, address)
+        elapsed = time.monotonic() - started
+    assert mooncake.STORE_TIMEOUT_S <= elapsed < mooncake.STORE_TIMEOUT_S + 2, elapsed
+    assert not receiver.destination.any(), "a byte moved"
+    assert "no whole answer within 3 s" in str(refused.value)
+    (checked,) = _layout_events(events)
+    assert checked["verdict"] == "not_judged"
+    assert "could not be read (no whole answer within 3 s)" in checked["reason"]
+
+
+def test_a_store_that_redirects_is_not_followed(store: str, senders: Any) -> None:
+    """A redirect, even to the very key on the real store (where the sender's manifest is, and
+    a matching pair would be judged compatible), is not followed: the pair is not judged, the
+    reason names the redirect, and strict refuses the transfer."""
+    segment, address = senders["safeview"]
+    with _store_that("redirect", _key_url(store, segment)) as moved:
+        receiver = Receiver(store, guard_store=moved)
+        with capture_events() as events, pytest.raises(ManifestError) as refused:
+            receiver.read(segment, address)
+    assert not receiver.destination.any(), "a byte moved"
+    (checked,) = _layout_events(events)
+    assert checked["verdict"] == "not_judged"
+    assert (
+        f"HTTP 302, a redirect to {_key_url(store, segment)!r}: not followed" in (checked["reason"])
+    )
+    assert "redirect" in str(refused.value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import traceback
 from types import SimpleNamespace
 from typing import Any
 
@@ -134,15 +135,26 @@ def vllm_rows(
 
 
 def vllm_refusal(
-    rank: int, p_tp: int, d_tp: int, heads: int, p_n: int, d_n: int, mla: bool
+    rank: int,
+    p_tp: int,
+    d_tp: int,
+    heads: int,
+    p_n: int,
+    d_n: int,
+    mla: bool,
+    *,
+    p_layout: str = "LBHNC",
+    d_layout: str = "LBHNC",
+    p_page_extra: int = 0,
 ) -> str | None:
     """Why vLLM refuses this pair, in its own words, or ``None``: its handshake check
     (``_validate_remote_agent_handshake``, on a stand-in worker holding the fields it reads, P's
     metadata as P would send it), then the row builders (``vllm_rows``), which assert on what the
-    handshake lets through but they cannot serve."""
+    handshake lets through but they cannot serve. ``p_page_extra``: bytes P's block length
+    says beyond its page's."""
     topo = topology(rank, d_tp, d_n, heads, mla)
     local_len = page(d_n, heads, d_tp, mla)
-    remote_len = page(p_n, heads, p_tp, mla)
+    remote_len = page(p_n, heads, p_tp, mla) + p_page_extra
     spec = MLAAttentionSpec if mla else FullAttentionSpec
     worker: Any = SimpleNamespace(
         transfer_topo=topo,
@@ -155,8 +167,8 @@ def vllm_refusal(
         dst_region_group_ids={"prefill": [0]},
         _physical_blocks_per_logical_kv_block=1,
         use_host_buffer=False,
-        kv_cache_layout="LBHNC",
-        host_buffer_kv_cache_layout="LBHNC",
+        kv_cache_layout=d_layout,
+        host_buffer_kv_cache_layout=d_layout,
         kv_transfer_config=SimpleNamespace(enable_permute_local_kv=False),
         enable_permute_local_kv=False,
         backend_name="FLASH_ATTN",
@@ -179,7 +191,7 @@ def vllm_refusal(
         num_blocks=8,
         block_lens=[remote_len],
         block_strides=[remote_len],
-        kv_cache_layout="LBHNC",
+        kv_cache_layout=p_layout,
         block_size=p_n,
         ssm_sizes=(0, 0),
         attn_backend_name="FLASH_ATTN",
@@ -199,16 +211,44 @@ def vllm_refusal(
         NixlBaseConnectorWorker._validate_remote_agent_handshake(worker, meta, p_tp)
         vllm_rows(rank, p_tp, d_tp, heads, p_n, d_n, mla)
     except (AssertionError, RuntimeError, NotImplementedError) as refused:
-        return f"{type(refused).__name__}: {refused}"
+        # a bare assert says nothing: its line does
+        where = traceback.extract_tb(refused.__traceback__)[-1]
+        return f"{type(refused).__name__}: {refused} [{where.name}: {where.line}]"
     return None
+
+
+# vLLM's refusals by the check that makes them (a phrase of its message, or of a bare assert's
+# line), each with the name safeview's plan gives that check (``_nixl_rules.CHECKS``)
+VLLM_CHECKS = (
+    ("tensor parallel size", "tp_sizes_divide"),
+    ("is not divisible by remote block size", "block_tokens_divide"),
+    ("is_kv_replicated", "p_heads_replicated"),
+    ("expects same kv_cache_layout", "layouts_equal"),
+    ("requires contiguous heads", "block_contiguous"),
+    ("Different local/remote block sizes", "p_tp_block_tokens"),
+    ("KV cache sizes must match", "block_len"),
+    ("block_len", "block_len"),
+)
+
+
+def vllm_check(refusal: str) -> str:
+    """The check of vLLM's that made ``refusal`` (``vllm_refusal``'s words)."""
+    found = [name for phrase, name in VLLM_CHECKS if phrase in refusal]
+    assert found, f"a refusal this test does not know: {refusal}"
+    return found[0]
+
+
+def test_the_checks_named_are_safeviews() -> None:
+    assert {name for _, name in VLLM_CHECKS} == set(_nixl_rules.CHECKS)
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp", "heads", "p_n", "d_n", "mla"), grid())
 def test_every_rank_reads_what_vllm_reads(
     p_tp: int, d_tp: int, heads: int, p_n: int, d_n: int, mla: bool
 ) -> None:
-    """safeview refuses a pair exactly where vLLM's own handshake or row builders refuse it, and
-    where both accept, reads the bytes vLLM's rows read."""
+    """safeview refuses a pair exactly where vLLM's own handshake or row builders refuse it, by
+    the check that refuses it there (a refusal for another reason would hide a dead check),
+    and where both accept, reads the bytes vLLM's rows read."""
     for rank in range(d_tp):
         plan = _nixl_rules.plan_layer(
             tp_rank=rank,
@@ -225,11 +265,72 @@ def test_every_rank_reads_what_vllm_reads(
         refusal = vllm_refusal(rank, p_tp, d_tp, heads, p_n, d_n, mla)
         assert (plan.refused is None) == (refusal is None), (rank, plan.refused, refusal)
         if refusal is not None:
+            assert plan.refused_by == vllm_check(refusal), (rank, plan.refused, refusal)
             continue
         pieces, reads, sources = vllm_rows(rank, p_tp, d_tp, heads, p_n, d_n, mla)
         assert [(p.receiver_start, p.length) for p in plan.pieces] == pieces
         assert {(p.sender_start, p.length) for p in plan.pieces} == set(reads)
         assert list(dict.fromkeys(p.sender_rank for p in plan.pieces)) == sources
+
+
+LAYOUT_NAMES = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "HND", "NHD"]
+
+
+@pytest.mark.parametrize("name", [*LAYOUT_NAMES, "hnd", "foo", "HDN", "NL_X_NB_NH_BS_2HS"])
+def test_a_layout_string_means_what_it_means_to_vllm(name: str) -> None:
+    """vLLM's own reading of a ``kv_cache_layout`` string (``_layout_from_name``: its names and
+    its older aliases) against ``_nixl_rules.vllm_layout``: the same layout, the same
+    block-contiguity (``KVCacheLayout.is_block_contiguous``); what vLLM refuses, safeview
+    refuses, naming the string. Only the case is forgiven."""
+    from vllm.config.cache import _layout_from_name  # type: ignore[import-not-found,unused-ignore]
+
+    from safeview import ManifestError
+
+    try:
+        theirs = _layout_from_name(name.upper())
+    except ValueError:
+        with pytest.raises(ManifestError, match=f"topology.layout: {name!r} is not a layout"):
+            _nixl_rules.vllm_layout(name, "topology.layout")
+        return
+    ours = _nixl_rules.vllm_layout(name, "topology.layout")
+    assert ours is not None
+    assert ours == theirs.name
+    assert _nixl_rules.VLLM_LAYOUTS[ours] == theirs.is_block_contiguous
+
+
+@pytest.mark.parametrize(("p_said", "d_said"), [
+    ("LBHNC", "LBHNC"), ("HND", "LBHNC"), ("LBNHC", "NHD"), ("BLHNC", "BLHNC"),
+    ("BLNHC", "BLNHC"), ("LBHNC", "LBNHC"), ("LBNHC", "LBHNC"), ("BLHNC", "LBHNC"),
+])  # fmt: skip
+@pytest.mark.parametrize(("p_tp", "d_tp", "p_page_extra"), [
+    (2, 4, 0), (4, 2, 0), (2, 2, 0), (2, 4, HEAD_BYTES), (2, 2, -HEAD_BYTES),
+])  # fmt: skip
+def test_layouts_and_block_lengths_are_refused_where_and_why_vllm_refuses(
+    p_said: str, d_said: str, p_tp: int, d_tp: int, p_page_extra: int
+) -> None:
+    """The layout strings each side reports (vLLM's names, or its older words on safeview's
+    side, where vLLM has resolved them before its handshake) and a P block length off by a
+    head's bytes: safeview refuses where vLLM's handshake refuses, by the same check."""
+    heads, tokens = 8, 16
+    p_layout = _nixl_rules.vllm_layout(p_said, "P")
+    d_layout = _nixl_rules.vllm_layout(d_said, "D")
+    assert p_layout is not None
+    assert d_layout is not None
+    for rank in range(d_tp):
+        plan = _nixl_rules.plan_layer(
+            tp_rank=rank, tp_size=d_tp, remote_tp_size=p_tp, total_kv_heads=heads,
+            block_tokens=tokens, remote_block_tokens=tokens,
+            page_bytes=page(tokens, heads, d_tp, False),
+            remote_page_bytes=page(tokens, heads, p_tp, False) + p_page_extra,
+            replicated=False, block_contiguous=False, layout=d_said, remote_layout=p_said,
+        )  # fmt: skip
+        refusal = vllm_refusal(
+            rank, p_tp, d_tp, heads, tokens, tokens, False,
+            p_layout=p_layout, d_layout=d_layout, p_page_extra=p_page_extra,
+        )  # fmt: skip
+        assert (plan.refused is None) == (refusal is None), (rank, plan.refused, refusal)
+        if refusal is not None:
+            assert plan.refused_by == vllm_check(refusal), (rank, plan.refused, refusal)
 
 
 @pytest.mark.parametrize("ratio", [2, 4])
@@ -391,3 +492,66 @@ def test_real_nixl_reads_agree_with_diff() -> None:
     finally:
         for result in run.results:
             shutil.rmtree(result["manifest_root"], ignore_errors=True)
+
+
+def test_the_docs_recipe_saves_the_payload_vllms_own_side_channel_serves(tmp_path: Any) -> None:
+    """docs/layouts.md's recipe for saving P's handshake payload, run as written against vLLM
+    0.33's own side-channel listener (``_nixl_handshake_listener``) serving P's payload as the
+    plugin makes it: the file holds those bytes, and ``safeview diff`` judges it."""
+    import re
+    import socket
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (  # type: ignore[import-not-found,unused-ignore]
+        NixlBaseConnectorScheduler,
+    )
+
+    import safeview
+    from safeview.manifest import vllm_axes
+    from safeview.manifest.wire import to_wire
+    from safeview.vllm._nixl import payload_class
+
+    docs = (Path(__file__).parent.parent / "docs" / "layouts.md").read_text()
+    [(arguments, script)] = re.findall(r"^python - (.*) <<'EOF'\n(.*?)^EOF$", docs, re.M | re.S)
+    assert arguments.split()[1:] == ["10.0.0.5", "5600", "0"]  # what the test replaces
+    cache = torch.empty(4, 2, 16, 256, dtype=torch.bfloat16, device="meta")
+    topology = {"tp_rank": 0, "tp_size": 1, "total_kv_heads": 2, "layout": "LBHNC"}
+    manifest = safeview.describe({"model.layers.0.attn": cache}, axes=vllm_axes(),
+                                 topology=topology)  # fmt: skip
+    receiver = tmp_path / "decode.tp0of1.manifest.json"
+    receiver.write_text(manifest.to_json())
+    served = msgspec.msgpack.encode(payload_class()(
+        compatibility_hash="h", agent_metadata_bytes=b"nixl", safeview_manifest=to_wire(manifest)
+    ))  # fmt: skip
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ready, stop = threading.Event(), threading.Event()
+    listener = threading.Thread(
+        target=NixlBaseConnectorScheduler._nixl_handshake_listener,
+        args=({(0, 0): served}, ready, stop, "127.0.0.1", port),
+        daemon=True,
+    )
+    listener.start()
+    try:
+        assert ready.wait(30)
+        saved = tmp_path / "p.rank0.handshake"
+        ran = subprocess.run(
+            [sys.executable, "-", str(saved), "127.0.0.1", str(port), "0"],
+            input=script, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+    finally:
+        stop.set()
+        listener.join(timeout=10)
+    assert saved.read_bytes() == served
+    command = [sys.executable, "-m", "safeview", "diff", str(saved), str(receiver)]
+    judged = subprocess.run(
+        [*command, "--rule", "vllm_nixl"], capture_output=True, text=True, timeout=120
+    )
+    assert judged.returncode == 0, judged.stdout + judged.stderr
+    assert judged.stdout.startswith(f"COMPATIBLE {saved} -> {receiver}")

@@ -146,6 +146,33 @@ def test_a_manifest_too_large_for_the_cap_is_refused_by_its_sender() -> None:
         to_wire(manifest)
 
 
+def test_the_cap_counts_a_text_payloads_utf8_bytes_not_its_characters() -> None:
+    """A str payload is held to the cap in the bytes it would be on the wire: one of fewer
+    characters than the cap but more UTF-8 bytes is refused as a bytes payload of the same text
+    is, with the same count; one of the cap's size is read."""
+    text = to_wire(vllm_model(4)).decode()
+    marker = '"engine":"P-7"'
+    assert marker in text
+
+    def engine_name_grown_to(size: int) -> str:
+        """The payload with an engine name of 'é's (one character, two UTF-8 bytes each) that
+        makes it ``size`` bytes."""
+        twos, one = divmod(size - len(text.encode()), 2)
+        return text.replace(marker, '"engine":"P-7' + "a" * one + "\u00e9" * twos + '"')
+
+    over = engine_name_grown_to(WIRE_CAP_BYTES + 1)
+    assert len(over) <= WIRE_CAP_BYTES < len(over.encode()) == WIRE_CAP_BYTES + 1
+    for payload in (over, over.encode()):
+        with pytest.raises(ManifestError) as refused:
+            from_wire(payload, peer=PEER)
+        assert refused.value.value == f"{WIRE_CAP_BYTES + 1:,} bytes"
+        assert "more than the 262,144 bytes (WIRE_CAP_BYTES)" in str(refused.value)
+    fits = engine_name_grown_to(WIRE_CAP_BYTES)
+    assert len(fits.encode()) == WIRE_CAP_BYTES
+    read = from_wire(fits, peer=PEER)  # the cap's own size is read
+    assert str(read.topology.engine).endswith("\u00e9" * 100)
+
+
 # -- bad input from a peer -----------------------------------------------------------------------
 
 
@@ -321,6 +348,19 @@ def test_the_request_token_names_the_rank_and_the_fingerprint() -> None:
     restarted = vllm_model(5, rank=1, tp=2)  # P restarted with another layer count
     assert not token_matches(parsed, restarted)
     assert not token_matches(RequestToken(1, 4, model.fingerprint[:24]), model)
+
+
+def test_a_token_matches_the_start_of_the_fingerprint_only() -> None:
+    """The token's 24 hex digits are the fingerprint's first 24: the same digits found
+    anywhere else in it are another layout's."""
+    model = vllm_model(4, rank=1, tp=2)
+    fingerprint = model.fingerprint
+    assert token_matches(RequestToken(1, 2, fingerprint[:24]), model)
+    for start in (1, 8, 20, 40):
+        inside = RequestToken(1, 2, fingerprint[start : start + 24])
+        assert inside.fingerprint_prefix in fingerprint
+        assert not token_matches(inside, model), start
+        assert not token_matches(parse_request_token(f"sv1:1/2:{inside[2]}", peer=PEER), model)
 
 
 @pytest.mark.parametrize(

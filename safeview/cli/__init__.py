@@ -521,13 +521,18 @@ def _parser() -> _Parser:
         help="run a command with the process guard on (SAFEVIEW_GUARD)",
         description="Run COMMAND with SAFEVIEW_GUARD set to the policy, so that every Python "
         "process it starts judges its views (docs/process.md). Exit status: the command's. "
-        "Under strict a bad call raises BoundsError; under warn it runs, and each warning is "
-        "one line on standard error (or goes to the command's own logging, where it has "
-        "set some up). SAFEVIEW_LOG_FORMAT=json or console writes every event from info up "
-        "instead, one line each: the guard's start, each warning, its counts at exit "
-        "(SAFEVIEW_LOG_LEVEL chooses the level).",
+        "Under strict (the default) a bad call raises BoundsError; under warn it runs, and "
+        "each warning is one line on standard error (or goes to the command's own logging, "
+        "where it has set some up). SAFEVIEW_LOG_FORMAT=json or console writes every event "
+        "from info up instead, one line each: the guard's start, each warning, its counts at "
+        "exit (SAFEVIEW_LOG_LEVEL chooses the level).",
     )
-    guarded.add_argument("--policy", choices=("strict", "warn"), default="strict")
+    guarded.add_argument(
+        "--policy",
+        choices=("strict", "warn"),
+        default="strict",
+        help="strict (the default): a bad call raises BoundsError; warn: it runs, and is reported",
+    )
     guarded.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     guarded.set_defaults(run=run_guarded)
     return parser

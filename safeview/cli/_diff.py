@@ -83,6 +83,9 @@ def _load_side(argument: str) -> Any:
 # What a side's file or URL may hold: a manifest is a few MB at most (1,000 layers written
 # out in full); past this it is no manifest, and reading on would only fill memory.
 MAX_SOURCE_BYTES = 64 * 1024 * 1024
+# A store on this machine answers in milliseconds; the whole fetch (connecting, the headers and
+# every byte of the body) ends within this, however slowly the server sends.
+FETCH_TIMEOUT_S = 10.0
 _LOOPBACK_NAMES = ("localhost",)
 
 
@@ -150,13 +153,12 @@ def _handshake_manifest(data: bytes, source: str) -> bytes:
 def _fetched(url: str) -> bytes:
     """The body a metadata store on this machine serves at ``url`` (http, a loopback host): no
     proxy (the environment's would see the request), no redirect (it could lead off the
-    machine), a timeout, a size limit."""
+    machine), the whole answer within ``FETCH_TIMEOUT_S`` and ``MAX_SOURCE_BYTES``."""
     import ipaddress
-    import urllib.error
     import urllib.parse
-    import urllib.request
 
     from safeview.errors import ManifestError
+    from safeview.transfer.mooncake import store_request
 
     try:
         parts = urllib.parse.urlsplit(url)
@@ -179,25 +181,27 @@ def _fetched(url: str) -> bytes:
             f"names host {_shown(host) or '(none)'}: only a store on this machine is read "
             "(127.0.0.1, ::1, localhost)",
         )
-
-    class _NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-            return None  # the 3xx then fails as an HTTPError, named below
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
     try:
-        with opener.open(url, timeout=10) as response:
-            body: bytes = response.read(MAX_SOURCE_BYTES + 1)
-    except urllib.error.HTTPError as error:
-        error.close()  # it holds the response, and with it the connection
-        why = "nothing is stored under that key" if error.code == 404 else error.reason
+        answer = store_request(url, timeout_s=FETCH_TIMEOUT_S, max_bytes=MAX_SOURCE_BYTES)
+    except TimeoutError as error:
         raise ManifestError(
-            _shown(url), None, f"cannot be fetched: HTTP {error.code} ({why})"
+            _shown(url),
+            None,
+            f"cannot be fetched: {error} (FETCH_TIMEOUT_S; a store answers at once)",
         ) from None
-    except (urllib.error.URLError, OSError, ValueError) as error:
-        reason = getattr(error, "reason", None) or error
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or error
         raise ManifestError(_shown(url), None, f"cannot be fetched: {reason}") from None
-    return body
+    if answer.status == 200:
+        return answer.body
+    if answer.location is not None:
+        where = _shown(answer.location)
+        why = f"a redirect to {where!r}: not followed, it could lead off the machine"
+    elif answer.status == 404:
+        why = "nothing is stored under that key"
+    else:
+        why = answer.reason
+    raise ManifestError(_shown(url), None, f"cannot be fetched: HTTP {answer.status} ({why})")
 
 
 def _json_files(folder: Path) -> list[Path]:

@@ -32,10 +32,11 @@ every later transfer costs a dictionary lookup. Under strict a pair that does no
 cannot be judged (the peer published nothing, its manifest is truncated, forged, over the cap or
 of another schema, the store cannot be read, a store safeview does not read), is refused before
 the engine moves a byte; under warn it is an event and the transfer goes ahead. Only Mooncake's
-HTTP metadata server (``http://...``) is read and written: with ``P2PHANDSHAKE`` there is no
-store (the segment descriptors travel in Mooncake's own RPC handshake, which safeview cannot
-extend), and etcd and redis need clients safeview does not ship; those pairs are not judged,
-and say why.
+HTTP metadata server (``http://...``) is read and written, each exchange whole within
+``STORE_TIMEOUT_S``, never through a proxy, a redirect never followed (the pair is then not
+judged, naming where it pointed): with ``P2PHANDSHAKE`` there is no store (the segment
+descriptors travel in Mooncake's own RPC handshake, which safeview cannot extend), and etcd and
+redis need clients safeview does not ship; those pairs are not judged, and say why.
 
 Every other attribute is the engine's own. Mooncake is never imported here. An engine without
 the methods this guard knows (Mooncake 0.3.13) gets one ``integration_unavailable`` event and is
@@ -44,14 +45,17 @@ returned as it is.
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
+import http.client
+import io
+import socket
+import time
+import urllib.parse
 import warnings
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from importlib import metadata
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 from urllib.parse import quote
 
 from safeview import log
@@ -72,7 +76,7 @@ from safeview.transfer.coverage import layers_in
 if TYPE_CHECKING:
     from safeview.manifest import Derived, Manifest
 
-__all__ = ["STORE_PREFIX", "GuardedEngine", "guard", "store_key"]
+__all__ = ["STORE_PREFIX", "GuardedEngine", "StoreAnswer", "guard", "store_key", "store_request"]
 
 _NEEDS = (
     "register_memory",
@@ -98,7 +102,8 @@ def _version() -> str | None:
 #: where a guard keeps its engine's manifest in the metadata store: a sibling of Mooncake's own
 #: ``mooncake/ram/<segment>`` and ``mooncake/rpc_meta/<segment>`` keys
 STORE_PREFIX = "mooncake/safeview/"
-#: a store that does not answer within this long leaves the pair not judged; it never holds a
+#: a store that has not answered in whole within this long (connecting, headers and body: a
+#: store sending a byte at a time is cut off too) leaves the pair not judged; it never holds a
 #: transfer for longer (the first one to a segment only: the verdict is kept)
 STORE_TIMEOUT_S = 3.0
 
@@ -139,11 +144,120 @@ def _unread_store(metadata_server: str | None) -> str | None:
     )
 
 
-def _open(request: str | urllib.request.Request) -> Any:
-    """Open ``request`` on the store directly: the engine reaches its store on the cluster's
-    network, never through a proxy named in the environment for the outside world."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    return opener.open(request, timeout=STORE_TIMEOUT_S)
+class StoreAnswer(NamedTuple):
+    """A metadata store's answer: its status, its reason phrase, where a redirect points
+    (``None`` for any other answer; a redirect is never followed) and its body (at most
+    ``max_bytes + 1`` bytes of it: one past the caller's limit says there was more)."""
+
+    status: int
+    reason: str
+    location: str | None
+    body: bytes
+
+
+class _Deadline:
+    """A connected socket whose every send and receive waits at most for what is left of one
+    deadline: the bound is the whole exchange's, not each read's."""
+
+    def __init__(self, sock: socket.socket, deadline: float, timeout_s: float) -> None:
+        self.sock, self.deadline, self.timeout_s = sock, deadline, timeout_s
+
+    def arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no whole answer within {self.timeout_s:g} s")
+        self.sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self.arm()
+        self.sock.sendall(data)
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def close(self) -> None:
+        pass  # http.client closes its connection before its answer is read: store_request
+        # closes the socket once it is done with both
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, owner: _Deadline) -> None:
+        self.owner = owner
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self.owner.arm()
+        return self.owner.sock.recv_into(buffer)
+
+
+class _Connection(http.client.HTTPConnection):
+    """``http.client``'s connection over a ``_Deadline`` socket (TLS for ``https``)."""
+
+    def __init__(self, parts: urllib.parse.SplitResult, deadline: float, timeout_s: float):
+        tls = parts.scheme == "https"
+        super().__init__(parts.hostname or "", parts.port or (443 if tls else 80), timeout_s)
+        self.tls, self.deadline, self.timeout_s = tls, deadline, timeout_s
+        self.connected: socket.socket | None = None
+
+    def connect(self) -> None:
+        left = max(self.deadline - time.monotonic(), 0.001)
+        sock = socket.create_connection((self.host, self.port), left)
+        if self.tls:
+            import ssl
+
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
+        self.connected = sock
+        self.sock = cast(socket.socket, _Deadline(sock, self.deadline, self.timeout_s))
+
+
+def store_request(
+    url: str,
+    *,
+    timeout_s: float,
+    max_bytes: int,
+    method: str = "GET",
+    body: bytes | None = None,
+) -> StoreAnswer:
+    """One HTTP exchange with a metadata store at ``url`` (``http://`` or ``https://``), whole
+    within ``timeout_s``: connecting, sending, the status line, the headers and the body all
+    wait on one deadline, so a store that answers a byte at a time holds the caller no longer
+    (urllib's timeout bounds each read, and a byte every half second renews it). Straight to
+    the store: no proxy named in the environment (the engine reaches its store on the
+    cluster's network), and a redirect is returned, never followed. ``TimeoutError`` past the
+    deadline, another ``OSError`` when the store cannot be reached or does not answer HTTP,
+    ``ValueError`` for a URL that is not one. Looking up a host name is the system resolver's
+    work, which the deadline counts but cannot cut short (an address costs no lookup)."""
+    parts = urllib.parse.urlsplit(url)
+    parts.port  # noqa: B018 - raises ValueError for a port that is not one
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL")
+    target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+    connection = _Connection(parts, time.monotonic() + timeout_s, timeout_s)
+    try:
+        connection.request(method, target, body=body)
+        with connection.getresponse() as answer:
+            location = answer.getheader("Location") if 300 <= answer.status < 400 else None
+            data = b"" if location is not None else answer.read(max_bytes + 1)
+            return StoreAnswer(answer.status, answer.reason, location, data)
+    except TimeoutError:  # the socket's own ("timed out") or the deadline's: one sentence
+        raise TimeoutError(f"no whole answer within {timeout_s:g} s") from None
+    except http.client.HTTPException as error:  # not HTTP: a bad status line, a cut answer
+        raise ConnectionError(f"no whole HTTP answer ({type(error).__name__}: {error})") from None
+    finally:
+        if connection.connected is not None:
+            connection.connected.close()
+
+
+def _refused_answer(answer: StoreAnswer) -> str:
+    """Why an answer other than 200 gives no manifest, in words."""
+    if answer.location is not None:
+        return (
+            f"HTTP {answer.status}, a redirect to {answer.location!r}: not followed (a store "
+            "answers where it is asked; a redirect could lead anywhere)"
+        )
+    return f"HTTP {answer.status} ({answer.reason})"
 
 
 def _publish(metadata_server: str, segment: str, manifest: Manifest | Derived) -> None:
@@ -155,9 +269,11 @@ def _publish(metadata_server: str, segment: str, manifest: Manifest | Derived) -
         return  # its peers' guards say why the pair is not judged
     url = _store_url(metadata_server, segment)
     try:
-        request = urllib.request.Request(url, data=wire.to_wire(manifest), method="PUT")
-        with _open(request) as answer:
-            answer.read()
+        answer = store_request(
+            url, timeout_s=STORE_TIMEOUT_S, max_bytes=0, method="PUT", body=wire.to_wire(manifest)
+        )
+        if not 200 <= answer.status < 300:
+            raise OSError(_refused_answer(answer))
     except (OSError, ValueError, ManifestError) as error:
         log.integration(
             "integration_unavailable",
@@ -170,19 +286,17 @@ def _publish(metadata_server: str, segment: str, manifest: Manifest | Derived) -
 def _fetch(metadata_server: str, segment: str) -> bytes | None:
     """The bytes under ``segment``'s key (at most one past the cap: ``from_wire`` refuses what
     is larger without the rest being read), ``None`` when the store holds none; ``OSError``
-    when the store cannot be read."""
+    when the store cannot be read within ``STORE_TIMEOUT_S``, or answers otherwise (a redirect
+    included: it is not followed)."""
     from safeview.manifest.wire import WIRE_CAP_BYTES
 
     url = _store_url(metadata_server, segment)
-    try:
-        with _open(url) as answer:
-            data: bytes = answer.read(WIRE_CAP_BYTES + 1)
-            return data
-    except urllib.error.HTTPError as error:
-        error.close()  # it holds the response, and with it the connection
-        if error.code == 404:
-            return None
-        raise
+    answer = store_request(url, timeout_s=STORE_TIMEOUT_S, max_bytes=WIRE_CAP_BYTES)
+    if answer.status == 404:
+        return None
+    if answer.status != 200:
+        raise OSError(_refused_answer(answer))
+    return answer.body
 
 
 def guard(
