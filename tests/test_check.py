@@ -322,6 +322,7 @@ def _addresses(array: np.ndarray, start: int) -> np.ndarray:
     return addresses
 
 
+@pytest.mark.slow
 def test_checker_finds_what_the_page_by_page_oracle_finds_on_every_shipped_plan() -> None:
     paths = sorted((Path(__file__).parent.parent / "examples" / "plans").glob("*.json"))
     assert len(paths) >= 7

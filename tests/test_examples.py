@@ -46,6 +46,7 @@ def test_the_examples_say_what_a_reallocation_does(script: str, said: str) -> No
     assert "tensor points at freed memory" not in output
 
 
+@pytest.mark.slow
 def test_the_sanitize_benchmark_runs_and_costs_md_gives_its_per_op_cost() -> None:
     costs = (EXAMPLES.parent / "docs" / "costs.md").read_text()
     assert "python benchmarks/bench_sanitize.py" in costs

@@ -168,6 +168,7 @@ def test_log_format_environment_variable_writes_json_lines_to_stderr() -> None:
     assert event["overflow_bytes"] == 16
 
 
+@pytest.mark.slow
 def test_log_level_environment_variable_shows_view_created() -> None:
     result = _python(_VIOLATE, SAFEVIEW_LOG_FORMAT="JSON", SAFEVIEW_LOG_LEVEL="debug")
     assert result.returncode == 0, result.stderr
@@ -280,6 +281,7 @@ def _our_line(line: str, op: str | None = None) -> None:
         assert f'op="{op}"' in line
 
 
+@pytest.mark.slow
 @needs_hook
 def test_guard_warn_shows_each_warning_on_stderr_once() -> None:
     result = _python(GROWN_SET, SAFEVIEW_GUARD="warn")
@@ -288,6 +290,7 @@ def test_guard_warn_shows_each_warning_on_stderr_once() -> None:
     assert result.stdout.split() == ["80"]  # warn changes nothing: torch grew the storage
 
 
+@pytest.mark.slow
 @needs_hook
 def test_safeview_run_policy_warn_shows_each_warning_on_stderr_once() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
@@ -309,6 +312,7 @@ def test_bounds_policy_warn_shows_each_warning_on_stderr_once() -> None:
         _our_line(line)
 
 
+@pytest.mark.slow
 def test_a_host_handler_gets_the_warning_once_and_stderr_no_copy() -> None:
     # set up after safeview's import, as hosts often do: checked at each record
     code = TOO_LONG_VIEW.replace(
@@ -318,6 +322,7 @@ def test_a_host_handler_gets_the_warning_once_and_stderr_no_copy() -> None:
     assert line.startswith('WARNING:safeview:event="bounds_violation" ')  # the host's format
 
 
+@pytest.mark.slow
 def test_a_logger_that_does_not_propagate_elsewhere_is_no_handler_of_ours() -> None:
     # vLLM's shape: a ``vllm`` logger with its own handler and propagate=False, nothing on the
     # root: it is no ancestor of ``safeview``, so the warning comes to stderr once; forwarded to
@@ -335,6 +340,7 @@ def test_a_logger_that_does_not_propagate_elsewhere_is_no_handler_of_ours() -> N
     assert line.startswith('VLLM WARNING event="bounds_violation" ')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "silence",
     [
@@ -347,6 +353,7 @@ def test_the_host_can_still_silence_them(silence: str) -> None:
     assert _shown(_python(code, SAFEVIEW_BOUNDS_POLICY="warn")) == []
 
 
+@pytest.mark.slow
 @needs_hook
 def test_info_and_debug_events_and_refusals_do_not_print() -> None:
     # the guard's started/stopped events (INFO), registration_checked (INFO) and view_created

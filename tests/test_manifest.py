@@ -61,6 +61,7 @@ def test_lmcache2374_strides_give_kv_block_head_token_element() -> None:
     assert layer.page_bytes == 2048
 
 
+@pytest.mark.slow
 def test_same_layout_same_fingerprint_anywhere_and_on_meta() -> None:
     cpu = safeview.describe({"a": vllm_cache("LBHNC")}, axes=vllm_axes())
     meta = safeview.describe({"a": vllm_cache("LBHNC", device="meta")}, axes=vllm_axes())
@@ -453,6 +454,7 @@ def test_layers_of_other_head_counts_each_hold_their_own_share_of_heads() -> Non
         safeview.describe(caches, axes=vllm_axes(), topology={"heads": (2, 3)})
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sides=st.lists(

@@ -71,6 +71,7 @@ def test_names_that_need_torch_say_what_to_install(code: str) -> None:
     assert "pip install 'safeview[" not in last
 
 
+@pytest.mark.slow
 def test_a_caught_error_prints_nothing() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
     code = """

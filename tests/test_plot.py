@@ -295,6 +295,7 @@ def test_the_readme_picture_is_what_the_readme_command_draws_today(tmp_path: Pat
     assert rms < 2.0, regenerate
 
 
+@pytest.mark.slow
 def test_twenty_thousand_storages_draw_quickly_with_the_culprit_kept(tmp_path: Path) -> None:
     count = 20_000
     plan = Plan.model_validate({

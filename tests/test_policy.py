@@ -137,10 +137,11 @@ def _run_probe(value: str | None) -> subprocess.CompletedProcess[str]:
     [
         (None, "strict refused"),
         ("warn", "warn view"),
-        ("  Off\n", "off view"),
-        ("STRICT", "strict refused"),
-        ("", "strict refused"),  # set to nothing is unset, as SAFEVIEW_LOG_FORMAT= is
-        ("  ", "strict refused"),
+        pytest.param("  Off\n", "off view", marks=pytest.mark.slow),
+        pytest.param("STRICT", "strict refused", marks=pytest.mark.slow),
+        # set to nothing is unset, as SAFEVIEW_LOG_FORMAT= is
+        pytest.param("", "strict refused", marks=pytest.mark.slow),
+        pytest.param("  ", "strict refused", marks=pytest.mark.slow),
     ],
 )
 def test_environment_variable_sets_the_default(value: str | None, expected: str) -> None:
@@ -149,6 +150,7 @@ def test_environment_variable_sets_the_default(value: str | None, expected: str)
     assert result.stdout.split() == expected.split()
 
 
+@pytest.mark.slow
 def test_invalid_environment_variable_is_a_config_error_naming_it() -> None:
     result = _run_probe("lenient")
     assert result.returncode == 1

@@ -346,7 +346,12 @@ def cases(draw: st.DrawFn) -> tuple[Layout, list[tuple[int, ...]], list[str | No
 
 # -- the rules against the oracle -----------------------------------------------------------------
 
-SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# twice the profile's examples: 400 with --slow (as CI runs), 100 in the quick run
+SETTINGS = settings(
+    max_examples=2 * settings.default.max_examples,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @SETTINGS
@@ -375,6 +380,7 @@ def test_every_row_is_judged_as_the_byte_level_oracle_judges_it(
         assert finding.message.startswith(("descriptor", "element"))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(cases())
 def test_numpy_proves_no_row_that_the_oracle_refuses(
@@ -391,6 +397,7 @@ def test_numpy_proves_no_row_that_the_oracle_refuses(
             assert row_verdict(layout, row, layer, True) is None, row
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(cases())
 def test_overlapping_writes_name_every_row_that_shares_a_byte(
@@ -828,6 +835,7 @@ def test_without_numpy_the_hint_says_what_works_from_a_checkout() -> None:
     assert "'safeview[transfer]'" not in done.stdout
 
 
+@pytest.mark.slow
 def test_the_transfer_example_says_what_it_skipped_and_the_pinned_install_lines() -> None:
     # the engines hidden as on a machine without them (None in sys.modules: not installed)
     example = Path(__file__).parent.parent / "examples" / "transfer_guard.py"

@@ -5,6 +5,7 @@ out; the manifest folder; the fingerprint in ``registration_checked``.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -196,6 +197,13 @@ class _Worker:
         return "agent"
 
 
+#: the hooked handshake reads vLLM's msgpack payload (vLLM itself depends on msgspec; the `test`
+#: extra brings it)
+needs_msgspec = pytest.mark.skipif(
+    find_spec("msgspec") is None, reason="needs msgspec: pip install -e '.[test]' brings it"
+)
+
+
 def _hooked(policy: str, folder: Path | None = None) -> _Worker:
     from safeview.policy import Policy
 
@@ -207,6 +215,7 @@ def _hooked(policy: str, folder: Path | None = None) -> _Worker:
     return worker
 
 
+@needs_msgspec
 def test_strict_refuses_a_larger_p_block_before_vllm_sees_the_metadata() -> None:
     from safeview import LayoutMismatchError
 
@@ -227,6 +236,7 @@ def test_strict_refuses_a_larger_p_block_before_vllm_sees_the_metadata() -> None
     assert len(events) == 1  # said once per P registration
 
 
+@needs_msgspec
 def test_warn_logs_the_mismatch_and_hands_vllm_the_metadata() -> None:
     worker = _hooked("warn")
     metadata = _metadata(_caches("LBHNC", HEADS, 64, 10), "P", "LBHNC")
@@ -241,6 +251,7 @@ def test_warn_logs_the_mismatch_and_hands_vllm_the_metadata() -> None:
     )
 
 
+@needs_msgspec
 def test_a_compatible_p_is_one_info_event_and_goes_on_untouched() -> None:
     worker = _hooked("strict")
     metadata = _metadata(_caches("LBHNC", HEADS, 32, 12), "P", "LBHNC")
