@@ -277,3 +277,23 @@ def test_its_own_failure_leaves_the_handshake_to_vllm_with_one_warning() -> None
     assert (event["event"], event["level"]) == ("integration_unavailable", "warning")
     assert "P/D layouts left unjudged" in event["reason"]
     layout._stepped_aside.clear()
+
+
+def test_the_plugins_digest_of_a_request_names_each_layers_element_type() -> None:
+    # P's float16 pages copied byte for byte into D's bfloat16 cache: the plugin's own digests
+    # of the request disagree, and the finding names both element types
+    from safeview.manifest.digest import verify
+    from safeview.vllm._digest import _digest_blocks
+
+    name = "model.layers.0.self_attn"
+    sent = {name: torch.randn(4, 2, 16, 128).to(torch.float16)}
+    received = {name: sent[name].view(torch.bfloat16).clone()}  # the same bytes
+    assert received[name].untyped_storage().nbytes() == sent[name].untyped_storage().nbytes()
+    digests = [
+        _digest_blocks(describe(caches, axes=vllm_axes()), caches, [[0, 1]], 20)
+        for caches in (sent, received)
+    ]
+    assert [d.dtypes for d in digests] == [{name: "float16"}, {name: "bfloat16"}]
+    [finding] = verify(*digests)
+    assert "float16" in finding.message
+    assert "bfloat16" in finding.message

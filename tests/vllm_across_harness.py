@@ -15,8 +15,9 @@ P's commands:
 
 - ``serve``: allocate and register every rank of an engine (``vllm_layout_harness.Engine``; a
   ``fault`` of ``permuted_layer`` gives layer 1 token-major pages behind the same shape and
-  layout string), fill its pages with random bytes, serve every rank's handshake payload on the
-  given side-channel port with vLLM's scheduler-side connector (as P's engine core does), then
+  layout string), fill its pages with random bytes, serve every rank's handshake payload (or
+  those of ``handshake_ranks`` only) on the given side-channel port with vLLM's scheduler-side
+  connector (as P's engine core does), then
   finish a request on that scheduler (``request_finished`` with P's blocks ``remote_blocks``,
   a request that asked for a remote decode) and answer its ``kv_transfer_params``, the raw
   handshake payload of rank 0 as P's side channel serves it, and the files holding each rank's
@@ -27,14 +28,17 @@ P's commands:
 D's commands:
 
 - ``start``: allocate and register every rank of an engine under a policy;
-- ``read``: hand every D rank one request whose ``kv_transfer_params`` are P's, relayed
-  verbatim, through ``NixlConnectorMetadata.add_new_req_to_recv`` (what D's scheduler does
-  with a request's params) into D's ``LOCAL_BLOCKS`` (zeroed first), let vLLM do the handshake
-  and the READ, and answer per rank whether the request finished or failed, the oracle,
-  whether D's blocks stayed untouched, whether vLLM's handshake with P made the rank permute
+- ``read``: hand every D rank (or those of ``ranks``) one request whose ``kv_transfer_params``
+  are P's, relayed verbatim, through ``NixlConnectorMetadata.add_new_req_to_recv`` (what D's
+  scheduler does with a request's params) into D's ``LOCAL_BLOCKS`` (zeroed first), let vLLM do
+  the handshake and the READ, and answer per rank whether the request finished or failed, the
+  oracle, whether D's blocks stayed untouched, whether vLLM's handshake with P made the rank permute
   P's pages on receipt (``enable_permute_local_kv``), and which of P's agents (``p_agents``,
   the names ``serve`` answered) D's NIXL agent holds after it; with the events safeview emitted
   meanwhile;
+- ``read_together``: several requests handed to D's rank 0 in one step, each into blocks of its
+  own, vLLM and the plugin stepping them together; per request, whether and when it finished,
+  and whether it failed;
 - ``stop``: as P's;
 - ``exit``.
 
@@ -223,7 +227,7 @@ class _Serve:
         with base._policy(command.get("policy")):
             for rank, side in enumerate(sides):
                 layout._connect(self.child, side, rank, engine.tp, errors)
-            scheduler = self._scheduler(sides, port, engine.tp)
+            scheduler = self._scheduler(sides, port, engine.tp, command.get("handshake_ranks"))
             blocks = [int(b) for b in command["remote_blocks"]]
             request = _FinishedRequest(f"{name}-request", len(blocks) * engine.block_size)
             _, params = scheduler.request_finished(request, blocks)
@@ -234,7 +238,8 @@ class _Serve:
             path = self.child.folder / f"{name}.rank{rank}.pt"
             torch.save({k: v for k, v in side.kv_caches.items()}, path)
             caches.append(str(path))
-        payload = scheduler.connector_scheduler._handshake_data[(0, 0)]
+        served = scheduler.connector_scheduler._handshake_data
+        payload = served.get((0, 0), next(iter(served.values())))
         saved = self.child.folder / f"{name}.rank0.payload"  # as an operator would save it
         saved.write_bytes(payload)
         return {
@@ -288,7 +293,9 @@ class _Serve:
         scheduler.shutdown()  # its side channel's listener thread
         return _stop(sides)
 
-    def _scheduler(self, sides: list[Any], port: int, tp: int) -> Any:
+    def _scheduler(
+        self, sides: list[Any], port: int, tp: int, ranks: list[int] | None = None
+    ) -> Any:
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -306,10 +313,12 @@ class _Serve:
             # worker): the scheduler of an engine of that size
             scheduler.connector_scheduler.transfer_tp_size = tp
             # what the engine core does with the workers' metadata (core.py)
+            # (a P whose side channel holds only ``ranks``' handshakes, when given)
             scheduler.set_xfer_handshake_metadata_pp_aware(
                 {
                     (0, rank): side.connector.get_handshake_metadata()
                     for rank, side in enumerate(sides)
+                    if ranks is None or rank in ranks
                 }
             )
         return scheduler
@@ -372,6 +381,8 @@ class _Read:
         errors.clear()
         reads = []
         for rank, d in enumerate(sides):
+            if command.get("ranks") is not None and rank not in command["ranks"]:
+                continue
             for cache in d.kv_caches.values():
                 cache[list(LOCAL_BLOCKS)] = 0  # a second read starts from zero too
             with _fault_after_read(d, command.get("fault")), _timed(d) as own:
@@ -391,6 +402,18 @@ class _Read:
             ]
             reads.append(outcome)
         return {"reads": reads, "handshake_errors": list(errors)}
+
+    def read_together(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Several requests handed to D's rank 0 in one step (``requests``: each a ``tag``, P's
+        ``kv_transfer_params`` relayed verbatim, and D's ``local_blocks``), vLLM and the
+        plugin stepping them together; per request, whether and when (seconds from the step
+        they were handed on) it finished, and whether it failed."""
+        _, sides, errors = self.engines[command["name"]]
+        errors.clear()
+        d = sides[0]
+        wanted = [(r["tag"], r["kv_transfer_params"], list(r["local_blocks"]))
+                  for r in command["requests"]]  # fmt: skip
+        return {"requests": _requests(d, wanted), "handshake_errors": list(errors)}
 
     def stop(self, command: dict[str, Any]) -> dict[str, Any]:
         _, sides, _ = self.engines.pop(command["name"])
@@ -563,6 +586,45 @@ def _request(d: Any, request_id: str, params: dict[str, Any], timeout_s: float =
                 break
             time.sleep(0.02)
     outcome["seconds"] = round(time.perf_counter() - started, 3)
+    return outcome
+
+
+def _requests(
+    d: Any, wanted: list[tuple[str, dict[str, Any], list[int]]], timeout_s: float = 60
+) -> dict[str, Any]:
+    """``_request`` for several requests at once, each into its own blocks of D's: by request,
+    whether it finished, whether it failed, and the seconds from the step they were handed on
+    to the step that reported it finished."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    groups = len(d.kv_cache_config.kv_cache_groups)
+    metadata = NixlConnectorMetadata()
+    outcome: dict[str, Any] = {}
+    for request_id, params, blocks in wanted:
+        for cache in d.kv_caches.values():
+            cache[blocks] = 0
+        metadata.add_new_req_to_recv(
+            request_id, tuple(list(blocks) for _ in range(groups)), dict(params)
+        )
+        outcome[request_id] = {"done": False, "failed": None, "seconds": None}
+    started = time.perf_counter()
+    with set_current_vllm_config(d.config):
+        while time.perf_counter() - started < timeout_s:
+            d.connector.bind_connector_metadata(metadata)
+            d.connector.start_load_kv(None)
+            d.connector.clear_connector_metadata()
+            metadata = NixlConnectorMetadata()
+            results = d.connector.get_transfer_results(set())
+            for request_id in outcome.keys() & results.finished_recving:
+                outcome[request_id] = {
+                    "done": True,
+                    "failed": request_id in results.failed_recving,
+                    "seconds": round(time.perf_counter() - started, 3),
+                }
+            if all(found["done"] for found in outcome.values()):
+                break
+            time.sleep(0.02)
     return outcome
 
 

@@ -1,6 +1,6 @@
 """Work the vLLM plugin does beside vLLM's own threads: one daemon thread per use, each call's
-outcome in a ``Future`` (D's fetch of P's digests, D's judgement of P's handshake manifest
-while NIXL loads P's agent)."""
+outcome in a ``Future`` (D's judgement of P's handshake manifest while NIXL loads P's agent; D's
+fetch of P's digests has its own thread, ``_digest.DigestFetcher``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ __all__ = ["Background"]
 
 class Background:
     """One daemon thread that runs what is submitted, in turn, each call's outcome in a
-    ``Future``. A daemon, so that work still waiting on a peer (D's fetch of P's digests, up to
-    5 s) never holds up the host's exit, which a ``ThreadPoolExecutor``'s worker would: the
-    interpreter joins those at exit."""
+    ``Future``. A daemon, so that work still waiting on a peer never holds up the host's exit,
+    which a ``ThreadPoolExecutor``'s worker would: the interpreter joins those at exit."""
 
     def __init__(self, name: str) -> None:
         self.name = name

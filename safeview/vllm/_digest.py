@@ -18,16 +18,19 @@ Where each step runs, and why there:
 - **P's side channel**: the scheduler's listener, which serves the handshake, also answers one
   more message (``safeview_digest``, the request id): the digests of every rank of P it holds
   (none yet: an empty answer, asked again). A handshake is answered byte for byte as vLLM's
-  own listener answers it. D asks only a P that marked the request, so a P without safeview
-  is never sent a message it does not know.
-- **D's worker**: ``start_load_kv`` notes a marked request and starts fetching P's digests in
-  a thread of its own; ``get_transfer_results``, once vLLM reports the READ done (after its own
-  post-processing: block-size and layout conversion), digests D's blocks and holds the request
-  back until P's digests are there (at most ``WAIT_S``), then ``safeview.manifest.digest.judge``
-  decides: the same meaning, the request goes on; another meaning, a ``digest_mismatch`` event
-  (warn), or under strict the request fails as vLLM fails a KV load (its blocks reported
-  invalid: ``kv_load_failure_policy`` recomputes or fails it). P's digests that cannot be had:
-  ``digest_checked`` with ``not_judged``, and the request goes on. D itself is never stopped.
+  own listener answers it; what vLLM's listener would die of (a rank P does not hold, a
+  message it cannot read) is answered with an error, and the listener goes on. D asks only a
+  P that marked the request, so a P without safeview is never sent a message it does not know.
+- **D's worker**: ``start_load_kv`` notes a marked request and starts fetching P's digests
+  (``DigestFetcher``: one daemon thread per process asks for every awaited request at once,
+  each on its own socket and against its own deadline); ``get_transfer_results``, once vLLM
+  reports the READ done (after its own post-processing: block-size and layout conversion),
+  digests D's blocks and holds the request back until P's digests are there (at most
+  ``WAIT_S``), then ``safeview.manifest.digest.judge`` decides: the same meaning, the request
+  goes on; another meaning, a ``digest_mismatch`` event (warn), or under strict the request
+  fails as vLLM fails a KV load (its blocks reported invalid: ``kv_load_failure_policy``
+  recomputes or fails it). P's digests that cannot be had: ``digest_checked`` with
+  ``not_judged``, and the request goes on. D itself is never stopped.
 
 Imported by ``safeview.vllm`` only, when ``SAFEVIEW_DIGEST`` is not ``off``.
 """
@@ -37,6 +40,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +50,6 @@ from typing import Any
 from safeview.manifest import Manifest
 from safeview.manifest.digest import Digest, DigestSampling, digest, judge, not_judged
 from safeview.policy import Policy
-from safeview.vllm._background import Background
 
 __all__ = [
     "DIGEST_MSG",
@@ -62,7 +65,8 @@ _NOTED = "safeview_digests"  # on NixlConnectorMetadata: {request: (block ids, t
 _PATCHED = "__safeview_digest__"
 KEPT = 4096  # digests P's scheduler keeps (the oldest go first)
 WAIT_S = 5.0  # how long D holds a request back for P's digests
-ASK_EVERY_S = 0.02
+ASK_EVERY_S = 0.02  # how often D asks again while P has no digest yet
+MAX_ASKING = 256  # requests D asks P's side channels about at once (a socket each)
 
 
 # -- the worker metadata that carries P's digests to its scheduler -------------------------------
@@ -202,7 +206,13 @@ def _listener(kept: _Kept) -> Callable[..., None]:
     """vLLM 0.33's side-channel listener (``NixlConnectorScheduler._nixl_handshake_listener``:
     a ZMQ ROUTER that answers ``(GET_META_MSG, pp_rank, tp_rank)`` with that rank's encoded
     payload and the scheduler's clock), answering as it does, plus ``(DIGEST_MSG, request,
-    0)`` with the msgpack map of P's digests of ``request`` by rank."""
+    0)`` with the msgpack map of P's digests of ``request`` by rank.
+
+    Unlike vLLM's own, it outlives what it cannot serve: a rank P does not hold (vLLM's raises
+    ``KeyError`` and its thread ends, and every later handshake to P times out) or a message it
+    cannot read is answered, in place of the payload, with a msgpack string that says why
+    (``SideChannelError`` for safeview's D, a payload vLLM's D fails to decode at once), and the
+    listener goes on; a message without a REQ socket's envelope is dropped."""
     import logging
 
     import msgspec
@@ -212,6 +222,38 @@ def _listener(kept: _Kept) -> Callable[..., None]:
     from vllm.utils.network_utils import make_zmq_path
 
     logger = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler")
+
+    def answer(frames: list[bytes], encoded_data: Mapping[Any, Any]) -> list[bytes] | None:
+        if len(frames) != 3 or frames[1] != b"":
+            logger.warning(
+                "safeview: side-channel listener dropped a message of %d frames without a "
+                "REQ socket's envelope (3 frames, the second empty)",
+                len(frames),
+            )
+            return None
+        identity, _, msg = frames
+        clock = msgspec.msgpack.encode(time.perf_counter())
+        try:
+            kind, first, second = msgspec.msgpack.decode(msg)
+        except Exception as error:  # not the 3-item array every peer sends
+            said = f"safeview: P's side channel cannot read the message ({error})"
+            logger.warning("%s", said)
+            return [identity, b"", msgspec.msgpack.encode(said), clock]
+        if kind == DIGEST_MSG:
+            return [identity, b"", msgspec.msgpack.encode(kept.get(str(first)))]
+        if kind != GET_META_MSG:
+            logger.warning("Connection listener got unexpected message %s", kind)
+        try:
+            payload = encoded_data[(first, second)]
+        except (KeyError, TypeError):  # a rank P does not hold, or no rank at all
+            held = ", ".join(f"({pp}, {tp})" for pp, tp in sorted(encoded_data))
+            said = (
+                f"safeview: P's side channel serves no handshake of (pp_rank, tp_rank) "
+                f"({first!r}, {second!r}); it serves {held or 'none'}"
+            )
+            logger.warning("%s", said)
+            payload = msgspec.msgpack.encode(said)
+        return [identity, b"", payload, clock]
 
     def listen(
         encoded_data: dict[tuple[int, int], Any],
@@ -225,20 +267,17 @@ def _listener(kept: _Kept) -> Callable[..., None]:
             ready_event.set()
             while True:
                 try:
-                    identity, _, msg = sock.recv_multipart()
+                    frames = sock.recv_multipart()
                 except zmq.Again:
                     if stop_event.is_set():
                         break
                     continue
-                kind, first, second = msgspec.msgpack.decode(msg)
-                if kind == DIGEST_MSG:
-                    answer = msgspec.msgpack.encode(kept.get(str(first)))
-                    sock.send_multipart((identity, b"", answer))
-                    continue
-                if kind != GET_META_MSG:
-                    logger.warning("Connection listener got unexpected message %s", kind)
-                clock = msgspec.msgpack.encode(time.perf_counter())
-                sock.send_multipart((identity, b"", encoded_data[(first, second)], clock))
+                try:
+                    reply = answer(frames, encoded_data)
+                    if reply is not None:
+                        sock.send_multipart(reply)
+                except Exception as error:  # the listener serves every later handshake
+                    logger.warning("safeview: side-channel listener left a message: %r", error)
 
     return listen
 
@@ -268,14 +307,18 @@ def _digest_blocks(
         group = layer.group if isinstance(layer.group, int) and layer.group >= 0 else 0
         by_group.setdefault(group, []).append(name)
     values: dict[str, dict[int, int]] = {}
+    dtypes: dict[str, str] = {}
     for group, names in by_group.items():
         ids = groups[group] if group < len(groups) else []
         if not ids:
             continue
         part = digest(manifest, kv_caches, ids, layers=names, num_tokens=tokens)
         values.update({name: dict(per) for name, per in part.values.items()})
+        dtypes.update(part.dtypes)  # so that a finding names both sides' element types
     topology = manifest.topology
-    return Digest(tokens, values, topology.tp_rank, topology.tp_size, manifest.fingerprint)
+    return Digest(
+        tokens, values, topology.tp_rank, topology.tp_size, manifest.fingerprint, dtypes=dtypes
+    )
 
 
 class DigestWorker:
@@ -293,7 +336,6 @@ class DigestWorker:
         self.awaited: dict[str, Any] = {}  # D: marked requests being read (their ReqMeta)
         self.asked: dict[str, Future[dict[int, bytes] | None]] = {}
         self.held: dict[str, tuple[Any, Digest, float]] = {}  # D: read, judged when P's come
-        self.pool: Background | None = None
 
     # P
     def digest_noted(self, metadata: Any) -> None:
@@ -334,10 +376,8 @@ class DigestWorker:
         layout = getattr(self.worker, "_safeview_layout", None)
         if str(remote.engine_id) not in getattr(layout, "carried", ()):
             return False
-        if self.pool is None:
-            self.pool = Background("safeview-digest")
-        self.asked[request] = self.pool.submit(
-            fetch_digests, str(remote.host), int(remote.port), str(remote.request_id), WAIT_S
+        self.asked[request] = _FETCHER.submit(
+            str(remote.host), int(remote.port), str(remote.request_id), WAIT_S
         )
         return True
 
@@ -425,25 +465,176 @@ class DigestWorker:
         not_judged(reason, policy=self.policy, request=request, **self._fields(meta))
 
 
-def fetch_digests(host: str, port: int, request: str, wait_s: float) -> dict[int, bytes] | None:
-    """P's digests of ``request`` from its side channel, asked again while P has none yet, for
-    at most ``wait_s``; ``None`` when none came."""
-    import msgspec
-    import zmq  # type: ignore[import-not-found,unused-ignore]
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
-    from vllm.utils.network_utils import make_zmq_path
+class _Ask:
+    """One request's fetch: asked on a socket of its own until its own deadline."""
 
-    deadline = time.monotonic() + wait_s
-    with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
-        sock.setsockopt(zmq.RCVTIMEO, int(wait_s * 1000))
+    __slots__ = ("answered", "deadline", "future", "host", "next_at", "port", "request", "socket",
+                 "wait_s")  # fmt: skip
+
+    def __init__(self, host: str, port: int, request: str, wait_s: float) -> None:
+        self.future: Future[dict[int, bytes] | None] = Future()
+        self.host, self.port, self.request, self.wait_s = host, port, request, wait_s
+        self.deadline = time.monotonic() + wait_s  # counted from this request's own fetch
+        self.next_at = 0.0
+        self.answered = False  # P answered at least once (with no digest yet)
+        self.socket: Any = None
+
+
+class DigestFetcher:
+    """D's fetches of P's digests, all on one daemon thread, none waiting behind another: each
+    request asks P's side channel on a socket of its own, again every ``ASK_EVERY_S`` while P
+    has no digest yet, until its own deadline; one poller waits for all their answers. A
+    request P never digested, or a P that never answers, holds back no other request.
+
+    At most ``MAX_ASKING`` requests are asked at once (one socket each); the rest wait their
+    turn, their deadlines running. While nothing is asked the thread holds no socket and no ZMQ
+    context, and nothing of a finished fetch: its answer is in its ``Future``."""
+
+    def __init__(self, name: str = "safeview-digest") -> None:
+        self.name = name
+        self.new: queue.SimpleQueue[_Ask] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(
+        self, host: str, port: int, request: str, wait_s: float
+    ) -> Future[dict[int, bytes] | None]:
+        """P's digests of ``request`` from the side channel at ``host:port``, in a ``Future``:
+        ``{rank: wire}``; ``None`` when P answered with none within ``wait_s``;
+        ``TimeoutError`` when P did not answer at all, ``SideChannelError`` when it answered
+        with an error, what ZMQ or msgpack raise otherwise."""
+        ask = _Ask(host, port, request, wait_s)
+        self.new.put(ask)
+        if self.thread is None:
+            with self.lock:
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self.thread.start()
+        return ask.future
+
+    def _run(self) -> None:
         while True:
-            sock.send(msgspec.msgpack.encode((DIGEST_MSG, request, 0)))
-            found = msgspec.msgpack.decode(sock.recv_multipart()[0])
-            if isinstance(found, dict) and found:
-                return {int(rank): bytes(wire) for rank, wire in found.items()}
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(ASK_EVERY_S)
+            first = self.new.get()  # idle: nothing held
+            with contextlib.suppress(Exception):  # each fetch has its outcome already
+                self._serve(first)
+            del first
+
+    def _serve(self, first: _Ask) -> None:
+        """Ask until every request taken is answered or out of time."""
+        import zmq  # type: ignore[import-not-found,unused-ignore]  # vLLM's dependency
+
+        context = zmq.Context()
+        poller = zmq.Poller()
+        waiting: collections.deque[_Ask] = collections.deque([first])  # not asked yet
+        asking: dict[Any, _Ask] = {}  # by socket: asked, P's answer awaited
+        resting: list[_Ask] = []  # P had no digest yet: asked again at ``next_at``
+        try:
+            while waiting or asking or resting:
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        waiting.append(self.new.get_nowait())
+                now = time.monotonic()
+                for ask in [a for a in (*waiting, *asking.values(), *resting) if now >= a.deadline]:
+                    self._end(ask, poller, waiting, asking, resting)
+                while waiting and len(asking) + len(resting) < MAX_ASKING:
+                    ask = waiting.popleft()
+                    try:
+                        ask.socket = _socket(context, ask.host, ask.port)
+                        poller.register(ask.socket, zmq.POLLIN)
+                        self._send(ask, asking)
+                    except Exception as error:
+                        self._end(ask, poller, waiting, asking, resting, error=error)
+                for ask in [a for a in resting if now >= a.next_at]:
+                    resting.remove(ask)
+                    try:
+                        self._send(ask, asking)
+                    except Exception as error:
+                        self._end(ask, poller, waiting, asking, resting, error=error)
+                times = [a.deadline for a in (*asking.values(), *resting)]
+                times += [a.next_at for a in resting]
+                pause = min([ASK_EVERY_S, *(t - time.monotonic() for t in times)])
+                for sock, _ in poller.poll(max(0, int(pause * 1000))):
+                    ask = asking.pop(sock)
+                    try:
+                        found = _read_answer(ask, sock.recv_multipart(zmq.NOBLOCK))
+                    except Exception as error:
+                        self._end(ask, poller, waiting, asking, resting, error=error)
+                        continue
+                    if found:
+                        self._end(ask, poller, waiting, asking, resting, found=found)
+                    else:
+                        ask.answered = True
+                        ask.next_at = time.monotonic() + ASK_EVERY_S
+                        resting.append(ask)
+        except BaseException as error:  # safeview's own failure: every fetch taken learns it
+            for ask in [*waiting, *asking.values(), *resting]:
+                self._end(ask, poller, waiting, asking, resting, error=error)
+        finally:
+            context.destroy(linger=0)
+
+    @staticmethod
+    def _send(ask: _Ask, asking: dict[Any, _Ask]) -> None:
+        import msgspec
+
+        ask.socket.send(msgspec.msgpack.encode((DIGEST_MSG, ask.request, 0)))
+        asking[ask.socket] = ask
+
+    @staticmethod
+    def _end(
+        ask: _Ask, poller: Any, waiting: collections.deque[_Ask], asking: dict[Any, _Ask],
+        resting: list[_Ask], *, found: dict[int, bytes] | None = None,
+        error: BaseException | None = None,
+    ) -> None:  # fmt: skip
+        """``ask`` done: its socket closed, its outcome in its future, nothing of it kept."""
+        with contextlib.suppress(ValueError):
+            waiting.remove(ask)
+        with contextlib.suppress(ValueError):
+            resting.remove(ask)
+        if ask.socket is not None:
+            asking.pop(ask.socket, None)
+            with contextlib.suppress(Exception):
+                poller.unregister(ask.socket)
+            with contextlib.suppress(Exception):
+                ask.socket.close(linger=0)
+            ask.socket = None
+        if ask.future.done():
+            return
+        if error is None and found is None and not ask.answered:
+            error = TimeoutError(f"no answer from {ask.host}:{ask.port} within {ask.wait_s:g} s")
+        if error is not None:
+            ask.future.set_exception(error)
+        else:
+            ask.future.set_result(found)
+
+
+def _socket(context: Any, host: str, port: int) -> Any:
+    import zmq  # type: ignore[import-not-found,unused-ignore]
+    from vllm.utils.network_utils import make_zmq_path, make_zmq_socket
+
+    return make_zmq_socket(
+        ctx=context, path=make_zmq_path("tcp", host, port), socket_type=zmq.REQ, bind=False,
+        linger=0,
+    )  # fmt: skip
+
+
+def _read_answer(ask: _Ask, frames: list[bytes]) -> dict[int, bytes]:
+    """P's answer to a digest question: ``{rank: wire}``, empty while P has none yet."""
+    import msgspec
+
+    from safeview.vllm._nixl import SideChannelError
+
+    found = msgspec.msgpack.decode(frames[0])
+    asked = f"digests of request {ask.request}"
+    peer = f"P's side channel at {ask.host}:{ask.port}"
+    if isinstance(found, str):  # P's listener says why it cannot answer
+        raise SideChannelError(peer, asked, found)
+    if not isinstance(found, dict):
+        raise SideChannelError(peer, asked, f"a {type(found).__name__}, not a map of ranks")
+    return {int(rank): bytes(wire) for rank, wire in found.items()}
+
+
+#: one per process: every D worker's fetches share its thread
+_FETCHER = DigestFetcher()
 
 
 def guard_digest_worker(

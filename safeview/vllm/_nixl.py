@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from safeview.errors import SafeViewError
 from safeview.policy import Policy
 from safeview.transfer.nixl import _install
 
@@ -259,12 +260,27 @@ def serve_manifest(worker: Any, wire: bytes) -> bool:
     return True
 
 
+class SideChannelError(SafeViewError, LookupError):
+    """P's side channel answered a question with an error in place of what was asked: a
+    handshake of a rank P does not hold, a message it could not read (safeview's listener
+    answers so, ``safeview.vllm._digest``, where vLLM's own listener ends). ``peer`` is P's
+    side channel, ``asked`` what D asked, ``said`` P's answer. D reads it as P's silence: the
+    pair is judged without it, a digest is ``not_judged``."""
+
+    def __init__(self, peer: str, asked: str, said: str) -> None:
+        self.peer = peer
+        self.asked = asked
+        self.said = said
+        super().__init__(f"{peer}: {asked}: P answered {said!r}")
+
+
 def fetch_payloads(
     host: str, port: int, ranks: Sequence[int], *, pp_rank: int = 0, timeout_ms: int = 5000
 ) -> dict[int, dict[str, Any]]:
     """P's current handshake payloads of ``ranks``, read from P's side channel as vLLM's own
-    handshake reads them (``GET_META_MSG``): each a dict of the payload's map. Raises what the
-    socket or decoder raises (the caller says the pair cannot be judged)."""
+    handshake reads them (``GET_META_MSG``): each a dict of the payload's map. Raises
+    ``SideChannelError`` for a rank P answers it does not hold, what the socket or decoder
+    raises otherwise (the caller says the pair cannot be judged)."""
     import msgspec
     import zmq  # type: ignore[import-not-found,unused-ignore]  # vLLM's dependency
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
@@ -278,6 +294,10 @@ def fetch_payloads(
             sock.send(msgspec.msgpack.encode((GET_META_MSG, pp_rank, rank)))
             reply = sock.recv_multipart()
             payload = msgspec.msgpack.decode(reply[0])
+            if isinstance(payload, str):  # safeview's listener: P cannot serve that rank
+                raise SideChannelError(
+                    f"P's side channel at {host}:{port}", f"handshake of rank {rank}", payload
+                )
             if not isinstance(payload, dict):
                 raise TypeError(f"P's payload of rank {rank} is a {type(payload).__name__}")
             found[rank] = payload
