@@ -895,7 +895,8 @@ class Finding:
         cls, layer: str | None, *, heads: tuple[int, ...], message: str
     ) -> Finding:
         """The receiver's ``heads`` of ``layer`` are in no digest of the sender (``layer``
-        None: the two sides digested different numbers of positions)."""
+        None: the two sides digested different numbers of positions, or their digests are of
+        two schemes)."""
         return cls._of_layer("digest_unmatched", layer, message, heads=heads)
 
 
