@@ -9,6 +9,8 @@ verdicts.
   own call. Target: at most 3x.
 - the four-argument ``Tensor.set_`` and ``torch.frombuffer`` over ``ctypes`` memory at an address
   inside known memory, for orientation (no target).
+- a storage's ``resize_`` to fewer bytes under a tensor that fits (the guard finds the tensors
+  over it among Python's objects), the tensor young and old, for orientation (no target).
 - ``torch.compile`` of a function that uses no watched entry point: the number of graphs it
   compiles with the guard on and off (a counting backend, no compiler needed). Target: the same.
 
@@ -92,6 +94,41 @@ def _graphs(guarded: bool) -> int:
     return len(graphs)
 
 
+def _shrinks(rounds: int) -> None:
+    """A storage's ``resize_`` to fewer bytes under the one tensor over it, which fits (allowed):
+    the guard finds that tensor among the objects Python tracks, youngest first. Young: made
+    just before; old: after a collection moved it to the oldest generation (a walk of all).
+    CPU time of this thread (a busy machine stretches the wall time)."""
+    import gc
+
+    times: dict[str, list[float]] = {"young": [], "old": [], "torch": []}
+    process.start("strict")
+    try:
+        for _ in range(rounds):
+            for age in ("young", "old"):
+                tensor = torch.zeros(1_024)
+                tensor.resize_(256)  # its only tensor reaches 1,024 bytes of 4,096
+                if age == "old":
+                    gc.collect()
+                began = time.thread_time()
+                tensor.untyped_storage().resize_(1_024)
+                times[age].append(time.thread_time() - began)
+    finally:
+        process.stop()
+    for _ in range(rounds):
+        tensor = torch.zeros(1_024)
+        tensor.resize_(256)
+        began = time.thread_time()
+        tensor.untyped_storage().resize_(1_024)
+        times["torch"].append(time.thread_time() - began)
+    young, old, own = (statistics.median(times[key]) * 1e3 for key in ("young", "old", "torch"))
+    print(
+        f"UntypedStorage.resize_ to fewer bytes under a tensor that fits (CPU): torch's own "
+        f"{own:.3f} ms; guarded, the tensor young {young:.3f} ms, old {old:.1f} ms "
+        f"({len(gc.get_objects()):,} objects tracked; no target)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
@@ -154,6 +191,8 @@ def main() -> None:
         f"torch.frombuffer at a known address: {plain * 1e6:.2f} us -> {guarded * 1e6:.2f} us, "
         f"ratio {ratio:.2f} (spread {spread:.2f}; no target)"
     )
+
+    _shrinks(rounds)
 
     without, under = _graphs(False), _graphs(True)
     print(f"torch.compile graphs: {without} without the guard, {under} with it")

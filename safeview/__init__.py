@@ -34,18 +34,18 @@ from safeview.errors import (
     UnprovenWriteError,
 )
 from safeview.findings import Finding
-from safeview.guard.sanitize import sanitize
 from safeview.log import configure_from_env, configure_logging, reset_logging
 from safeview.overlap import find_overlaps
-from safeview.plan import Plan, PlanStorage, PlanView
 from safeview.policy import Policy, current_policy, policy_scope
-from safeview.spec import BlockLayout, Layout, Region, SpecError, StridedLayout, packed_layouts
 
 if TYPE_CHECKING:
     from safeview import kv, vllm
+    from safeview.guard.sanitize import sanitize
     from safeview.manifest import Manifest, describe
     from safeview.manifest.diff import diff
     from safeview.manifest.digest import Digest, digest, verify
+    from safeview.plan import Plan, PlanStorage, PlanView
+    from safeview.spec import BlockLayout, Layout, Region, SpecError, StridedLayout, packed_layouts
     from safeview.view import make_view
 
 __version__ = "0.6.2"
@@ -98,6 +98,14 @@ _NEEDS_TORCH = {"make_view": "safeview.view", "kv": "safeview.kv", "vllm": "safe
 # Layout manifests and their diff (no torch until describe() reads tensors), loaded on first use
 # too: a process that never compares two engines does not build their models.
 _LATER = {
+    # layouts, plans and sanitize() are pydantic models (or build them): the process guard,
+    # which imports this package when torch is imported, never needs them (docs/costs.md)
+    **dict.fromkeys(
+        ("BlockLayout", "Layout", "Region", "SpecError", "StridedLayout", "packed_layouts"),
+        "safeview.spec",
+    ),
+    **dict.fromkeys(("Plan", "PlanStorage", "PlanView"), "safeview.plan"),
+    "sanitize": "safeview.guard.sanitize",
     "describe": "safeview.manifest",
     "Manifest": "safeview.manifest",
     "diff": "safeview.manifest.diff",

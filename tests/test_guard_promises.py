@@ -384,6 +384,12 @@ def test_check_tensors_under_off_still_sums_up_the_registration() -> None:
     assert summary["event"] == "registration_checked"
     assert summary["checked"] is False
     assert summary["violations"] == 0
+    # and docs/policies.md says so in check_tensors' `off` cell (it once said "no event")
+    policies = (Path(__file__).parent.parent / "docs" / "policies.md").read_text()
+    [row] = [line for line in policies.splitlines() if line.startswith("| `check_tensors`")]
+    off_cell = row.strip("|").split("|")[-1]
+    assert "`registration_checked` says `checked=false`" in off_cell
+    assert "no event" not in off_cell
 
 
 def test_an_infinite_group_is_written_as_json_text() -> None:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -288,7 +289,11 @@ def test_a_storage_holding_known_layers_is_never_grown_or_cut_below_them(guard: 
     assert caught.value.name == "l0"
     assert (caught.value.extent_bytes, caught.value.storage_nbytes) == (512, 500)
     assert _state(kv) == before
-    kv.untyped_storage().resize_(600)  # a shrink that keeps every known layer
+    with pytest.raises(BoundsError) as caught:  # every layer kept, but kv reaches 1,024 bytes
+        kv.untyped_storage().resize_(600)
+    assert (caught.value.name, caught.value.extent_bytes) == (None, 1024)
+    kv.resize_(512)  # its only tensor now ends where l0 does
+    kv.untyped_storage().resize_(600)  # a shrink that keeps every known layer and tensor
     assert kv.untyped_storage().nbytes() == 600
 
 
@@ -363,3 +368,253 @@ def test_an_out_tensor_of_the_wrong_size_on_cuda_is_refused(guard: None) -> None
     with pytest.raises(BoundsError):
         torch.add(torch.ones(2048, device="cuda"), 1, out=layer)
     assert _state(kv) == before
+
+
+# -- a storage shrunk under live tensors (issue 35) ----------------------------------------------
+#
+# A float32 cache of 1,024 elements (4,096 bytes). A storage's resize_ to 1,024 bytes reallocates
+# it smaller under every tensor over it: a view of bytes [2,048, 4,096) then reads freed memory.
+# Only a storage's own resize_ shrinks a storage; Tensor.resize_, aten::resize_ and set_ on another
+# tensor of the storage never do (torch only grows a storage there), and stay allowed. Each case
+# runs in a child process with SAFEVIEW_GUARD unset (torch's behaviour: the oracle), strict and
+# warn; one view is made in a thread started before torch was imported (before the guard was on).
+SHRINK_PROGRAM = """
+    import json, threading
+    held, ready, made = {}, threading.Event(), threading.Event()
+
+    def worker():  # started before torch is imported, so before the guard goes on
+        ready.wait(120)
+        import torch
+        held["view"] = torch.as_strided(held.pop("kv"), (512,), (1,), 512)
+        made.set()
+
+    threading.Thread(target=worker, daemon=True).start()
+
+    import torch
+    from safeview.guard import process
+    from safeview.testing import capture_events
+
+    def cache():
+        return torch.arange(1024, dtype=torch.float32)
+
+    def as_strided_view():
+        kv = cache()
+        return [kv, kv.as_strided((512,), (1,), 512)], lambda: kv.untyped_storage().resize_(1024)
+
+    def slice_typed_storage():
+        kv = cache()
+        return [kv[512:]], lambda: kv.storage()._resize_(256)
+
+    def storage_base_under_its_tensor():
+        kv = cache()
+        return [kv], lambda: torch._C.StorageBase.resize_(kv.untyped_storage(), 1024)
+
+    def view_of_a_view_base_gone():
+        view = cache()[256:][256:]  # the cache itself lives on as the view's _base only
+        return [view], lambda: view.untyped_storage().resize_(1024)
+
+    def view_made_in_an_earlier_thread():
+        kv = cache()
+        storage = kv.untyped_storage()
+        held["kv"] = kv
+        del kv
+        ready.set()
+        made.wait(120)
+        return [held["view"]], lambda: storage.resize_(1024)
+
+    def another_tensor_resize_():
+        kv = cache()
+        other = kv[:10]
+        return [kv], lambda: other.resize_(5)
+
+    def another_tensor_aten_resize_():
+        kv = cache()
+        other = kv[:10]
+        return [kv], lambda: torch.ops.aten.resize_(other, [2])
+
+    def set_to_fewer_bytes():
+        kv = cache()
+        return [kv], lambda: torch.empty(0).set_(kv.untyped_storage(), 0, (4,), (1,))
+
+    def only_tensor_resize_():
+        kv = cache()
+        return [kv], lambda: kv.resize_(256)
+
+    def shrink_above_every_tensor():
+        kv = cache()
+        kv.resize_(256)  # its only tensor now reaches 1,024 bytes
+        return [kv], lambda: kv.untyped_storage().resize_(1024)
+
+    def shrink_with_no_tensor():
+        storage = torch.UntypedStorage(4096)
+        return [storage], lambda: storage.resize_(1024)
+
+    def free_under_its_tensor():
+        kv = cache()
+        return [kv], lambda: kv.untyped_storage().resize_(0)
+
+    CASES = {
+        "UntypedStorage.resize_ under an as_strided view": as_strided_view,
+        "TypedStorage._resize_ under a slice": slice_typed_storage,
+        "StorageBase.resize_ under its own tensor": storage_base_under_its_tensor,
+        "a view whose base lives only as its _base": view_of_a_view_base_gone,
+        "a view made in a thread started before the guard": view_made_in_an_earlier_thread,
+        "Tensor.resize_ on another tensor": another_tensor_resize_,
+        "torch.ops.aten.resize_ on another tensor": another_tensor_aten_resize_,
+        "set_ to fewer bytes": set_to_fewer_bytes,
+        "Tensor.resize_ of the only tensor to fewer elements": only_tensor_resize_,
+        "a shrink that every tensor fits in": shrink_above_every_tensor,
+        "a shrink of a storage no tensor uses": shrink_with_no_tensor,
+        "a free to no bytes (FSDP)": free_under_its_tensor,
+    }
+
+    def reach(tensor):
+        if isinstance(tensor, torch.UntypedStorage):
+            return 0
+        return (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+
+    report = {}
+    for name, case in CASES.items():
+        tensors, act = case()
+        first = tensors[0]
+        storage = first if isinstance(first, torch.UntypedStorage) else first.untyped_storage()
+        before = (storage.nbytes(), storage.data_ptr())
+        with capture_events() as events:
+            try:
+                act()
+                outcome = "made"
+            except Exception as error:
+                outcome = type(error).__name__ + ": " + str(error)
+        report[name] = {
+            "outcome": outcome,
+            "nbytes": [before[0], storage.nbytes()],
+            "moved": before[1] != storage.data_ptr(),
+            "past_end": any(reach(tensor) > storage.nbytes() for tensor in tensors),
+            "violations": [
+                {key: event.get(key) for key in ("op", "policy", "overflow_bytes")}
+                for event in events if event["event"] == "bounds_violation"
+            ],
+        }
+        del tensors, act, storage
+        process._memory.clear() if process.active() else None
+    print(json.dumps({"cases": report, "counts": process.counts()._asdict()}))
+"""
+
+# what a refusal says: the live tensor that reaches farthest past the new 1,024 bytes (of two
+# that end together, the one that starts later), and its bytes past that end
+REFUSED = {
+    "UntypedStorage.resize_ under an as_strided view": ("needs bytes [2,048, 4,096)", 2048),
+    "TypedStorage._resize_ under a slice": ("needs bytes [2,048, 4,096)", 2048),
+    "StorageBase.resize_ under its own tensor": ("needs bytes [0, 4,096)", 3072),
+    "a view whose base lives only as its _base": ("needs bytes [2,048, 4,096)", 2048),
+    "a view made in a thread started before the guard": ("needs bytes [2,048, 4,096)", 2048),
+}
+ALLOWED = {  # case: the storage's bytes after it, as torch leaves them
+    "Tensor.resize_ on another tensor": 4096,
+    "torch.ops.aten.resize_ on another tensor": 4096,
+    "set_ to fewer bytes": 4096,
+    "Tensor.resize_ of the only tensor to fewer elements": 4096,
+    "a shrink that every tensor fits in": 1024,
+    "a shrink of a storage no tensor uses": 1024,
+    "a free to no bytes (FSDP)": 0,
+}
+
+
+def _run_shrinks(**variables: str) -> dict[str, Any]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SAFEVIEW_")}
+    environment.update(variables)
+    result = subprocess.run(
+        [PYTHON, "-W", "ignore", "-c", textwrap.dedent(SHRINK_PROGRAM)],
+        env=environment, capture_output=True, text=True, timeout=300, cwd="/",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return report
+
+
+@pytest.fixture(scope="module")
+def shrinks() -> dict[str, dict[str, Any]]:
+    return {policy: _run_shrinks(**({"SAFEVIEW_GUARD": policy} if policy else {}))
+            for policy in ("", "strict", "warn")}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_shrink_under_a_live_tensor_is_refused_under_strict(
+    shrinks: dict[str, dict[str, Any]], case: str
+) -> None:
+    plain = shrinks[""]["cases"][case]
+    # the oracle: without the guard the storage shrinks and a live tensor lies past its end
+    assert plain["outcome"] == "made"
+    assert plain["nbytes"] == [4096, 1024]
+    assert plain["past_end"] is True
+    guarded = shrinks["strict"]["cases"][case]
+    needs, overflow = REFUSED[case]
+    assert guarded["outcome"].startswith("BoundsError: "), guarded["outcome"]
+    assert f"{needs} but" in guarded["outcome"]
+    assert f"has 1,024 bytes ({overflow:,} bytes past the end)" in guarded["outcome"]
+    assert "(by UntypedStorage.resize_ at <string>:" in guarded["outcome"]
+    assert guarded["nbytes"] == [4096, 4096]
+    assert guarded["moved"] is False
+    assert guarded["past_end"] is False
+    warned = shrinks["warn"]["cases"][case]
+    assert warned["outcome"] == "made"
+    assert warned["nbytes"] == plain["nbytes"]
+    assert warned["violations"] == [
+        {"op": "UntypedStorage.resize_", "policy": "warn", "overflow_bytes": overflow}
+    ]
+
+
+@pytest.mark.parametrize("case", list(ALLOWED))
+def test_what_leaves_no_live_tensor_past_the_end_stays_allowed(
+    shrinks: dict[str, dict[str, Any]], case: str
+) -> None:
+    plain = shrinks[""]["cases"][case]
+    assert plain["outcome"] == "made"
+    assert plain["nbytes"] == [4096, ALLOWED[case]]  # torch's own: what each door does
+    for policy in ("strict", "warn"):
+        seen = shrinks[policy]["cases"][case]
+        assert seen["outcome"] == "made", seen["outcome"]
+        assert seen["nbytes"] == plain["nbytes"]
+        assert seen["violations"] == []
+
+
+def test_shrinks_are_counted_and_nothing_failed(shrinks: dict[str, dict[str, Any]]) -> None:
+    assert shrinks["strict"]["counts"]["refused"] == len(REFUSED)
+    assert shrinks["warn"]["counts"]["warned"] == len(REFUSED)
+    assert shrinks["strict"]["counts"]["internal_errors"] == 0
+    assert shrinks["warn"]["counts"]["internal_errors"] == 0
+
+
+def test_a_shrink_under_a_view_another_thread_made_is_refused_in_process() -> None:
+    # the thread is started before the guard goes on, and makes its view (a slice, which no door
+    # of the guard sees being made) after; the main thread, holding only the storage, shrinks it
+    source = [torch.arange(1024, dtype=torch.float32)]
+    storage = source[0].untyped_storage()
+    go, made, done = threading.Event(), threading.Event(), threading.Event()
+    views: list[torch.Tensor] = []
+
+    def worker() -> None:
+        go.wait(60)
+        views.append(source.pop()[512:])
+        made.set()
+        done.wait(60)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    process.start("strict")
+    try:
+        go.set()
+        assert made.wait(60)
+        with pytest.raises(BoundsError) as caught:
+            storage.resize_(1024)
+        assert (caught.value.byte_offset, caught.value.extent_bytes) == (2048, 4096)
+        assert caught.value.storage_nbytes == 1024
+        assert storage.nbytes() == 4096
+        views.clear()  # no tensor over the storage now: the same shrink is allowed
+        storage.resize_(1024)
+        assert storage.nbytes() == 1024
+    finally:
+        done.set()
+        thread.join()
+        process.stop()
+        process._memory.clear()

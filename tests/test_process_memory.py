@@ -115,6 +115,7 @@ IDIOMS = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HOOK_INSTALLED, reason="safeview-guard.pth is not installed here")
 def test_every_idiom_that_wraps_a_raw_pointer_is_judged_against_the_known_memory() -> None:
     plain = _python(IDIOMS)

@@ -104,7 +104,14 @@ def test_every_page_has_python_blocks_to_run() -> None:
 
 
 @pytest.mark.parametrize(
-    "page", [page for page in PAGES if _blocks(page, "python")], ids=lambda page: page.name
+    "page",
+    [
+        # the README's blocks in the quick run; each docs page starts its own interpreters
+        pytest.param(page, marks=() if page.name == "README.md" else pytest.mark.slow)
+        for page in PAGES
+        if _blocks(page, "python")
+    ],
+    ids=lambda page: page.name,
 )
 def test_every_python_block_runs_as_written(page: Path) -> None:
     blocks = [(str(page.relative_to(ROOT)), line, code) for line, code in _blocks(page, "python")]
@@ -215,11 +222,13 @@ def _emitted(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def _digests_compared() -> None:
     from safeview.manifest.digest import Digest, judge, not_judged
 
-    pair = {"engine": "D", "tp_rank": 0, "tp_size": 1, "remote_engine": "P", "remote_tp_size": 1}
     sent = Digest(16, {"layers.0": {0: 1, 1: 2}})
-    judge(sent, sent, policy="warn", request="r1", **pair)
-    judge(sent, Digest(16, {"layers.0": {0: 1, 1: 3}}), policy="warn", request="r2", **pair)
-    not_judged("P's digests did not come", policy="warn", request="r3", **pair)
+    changed = Digest(16, {"layers.0": {0: 1, 1: 3}})
+    for request, received in (("r1", sent), ("r2", changed)):
+        judge(sent, received, policy="warn", request=request, engine="D", tp_rank=0, tp_size=1,
+              remote_engine="P", remote_tp_size=1)  # fmt: skip
+    not_judged("P's digests did not come", policy="warn", request="r3", engine="D", tp_rank=0,
+               tp_size=1, remote_engine="P", remote_tp_size=1)  # fmt: skip
 
 
 def _process_guard(kv: torch.Tensor) -> None:
@@ -238,7 +247,7 @@ def _process_guard(kv: torch.Tensor) -> None:
 
 # Emitted only where vLLM is installed; tests/test_vllm.py and tests/test_vllm_layout.py check
 # their keys against this table.
-NEEDS_VLLM = {"integration_installed", "layout_checked", "layout_mismatch"}
+NEEDS_VLLM = {"integration_installed", "layout_checked", "layout_mismatch", "canonical_mismatch"}
 
 
 def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,6 +261,7 @@ def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.Mon
         "unproven_write",
         "address_violation",
         "coverage_violation",
+        "canonical_mismatch",
         "registration_failed",
         "transfer_failed",
         "failure_ignored",
@@ -324,6 +334,15 @@ def test_the_readme_main_command_prints_what_the_readme_shows(tmp_path: Path) ->
     assert (tmp_path / arguments[-1]).stat().st_size > 0
 
 
+def test_the_readme_stays_short_and_says_how_long_its_test_command_takes() -> None:
+    # the reference lives in docs/: the README is read whole, before anything else
+    assert len(README.read_bytes()) < 12_000
+    # a newcomer is told what the plain run costs and how to run everything
+    text = _read(README)
+    assert re.search(r"The\s+run\s+takes\s+about\s+\d+\s+minutes\s+on\s+2\s+cores", text)
+    assert "python -m pytest --slow" in text
+
+
 def test_the_readme_names_the_version_command_and_the_changelog() -> None:
     readme = _read(README)
     assert "`safeview --version`" in readme
@@ -363,6 +382,7 @@ def test_the_shipped_plans_table_is_what_safeview_check_says() -> None:
     assert found == expected
 
 
+@pytest.mark.slow
 def test_every_key_of_the_json_document_is_described(tmp_path: Path) -> None:
     section = _section(_read(DOCS / "command.md"), "`--json`")
     version = re.search(r'"schema_version": (\d+)', section)

@@ -183,6 +183,21 @@ def test_resize_that_grows_a_shared_storage_is_refused_and_fresh_tensors_still_g
     assert kv.untyped_storage().nbytes() == 64
 
 
+def test_a_resize_of_a_view_at_a_storage_offset_counts_the_bytes_before_it() -> None:
+    # the view starts at byte 32 of 64: 48 elements need bytes [32, 80), past the end, though
+    # 48 bytes alone would fit (a judgement that drops the offset lets this growth through)
+    kv = torch.zeros(64, dtype=torch.int8)
+    tail = kv[32:]
+    pointer = kv.untyped_storage().data_ptr()
+    with sanitize() as seen:
+        tail.resize_(16)  # shrinks the view, not the storage: fine
+        with pytest.raises(BoundsError, match=r"needs bytes \[32, 80\) .*\(16 bytes past"):
+            tail.resize_(48)
+    assert [(view.op, view.byte_offset) for view in seen.views] == [("aten::resize_", 32)]
+    assert (kv.untyped_storage().nbytes(), kv.untyped_storage().data_ptr()) == (64, pointer)
+    assert tail.shape == (16,)
+
+
 def test_typed_views_count_elements_of_their_dtype() -> None:
     raw = torch.zeros(64, dtype=torch.int8)
     halves = raw.view(torch.float16)

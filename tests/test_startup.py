@@ -1,6 +1,7 @@
 """The start-up hook's cost, as every process a guarded server starts pays it: with
-``SAFEVIEW_GUARD`` set, ``python -c pass`` imports nothing that it does not import unset, but the
-hook's own file (benchmarks/bench_startup.py measures the milliseconds). What the hook does
+``SAFEVIEW_GUARD`` set, ``python -c pass`` imports nothing that it does not import unset, not even
+the hook's own file until a watched module is looked up (benchmarks/bench_startup.py measures the
+milliseconds). What the hook does
 (a bad value, a second read, the guard going on at a watched import) is tested in
 tests/test_process_guard.py."""
 
@@ -51,9 +52,51 @@ def _modules(**variables: str) -> set[str]:
 def test_the_hook_imports_nothing_python_c_pass_does_not(value: str) -> None:
     unset = _modules()
     hooked = _modules(SAFEVIEW_GUARD=value)
-    assert "safeview.guard._startup" in hooked  # the hook ran
     assert hooked & SLOW == unset & SLOW
-    assert hooked - unset == {"safeview.guard._startup"}
+    # a policy: only the placeholder on sys.meta_path, not even the hook's file (read when a
+    # watched module is looked up); a bad value: the hook's file, which says so
+    assert hooked - unset == (set() if value != "strcit" else {"safeview.guard._startup"})
+
+
+@needs_hook
+@pytest.mark.parametrize("value", ["strict", "warn"])
+def test_the_placeholder_hands_over_at_the_first_watched_import(value: str) -> None:
+    program = (
+        "import sys\n"
+        "names = lambda: [type(f).__name__ for f in sys.meta_path if 'Distutils' not in repr(f)]\n"
+        "before = names()\n"
+        "import json\n"  # an import that is not watched: nothing happens
+        "middle = names()\n"
+        "import torch\n"
+        "from safeview.guard import process\n"
+        "print(before[0], middle[0], names()[0], process.policy().value, names().count('Finder'))"
+    )
+    result = _run("-c", program, SAFEVIEW_GUARD=value)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["SafeviewGuardHook", "SafeviewGuardHook", "Finder", value, "1"]
+
+
+@pytest.mark.slow
+def test_the_hooks_file_still_starts_the_guard_for_a_hook_of_0_6_2() -> None:
+    # an editable install updated without reinstalling keeps its old safeview-guard.pth, which
+    # loads _startup.py at start with _from_hook set: the finder goes on at once, as it did
+    program = f"""
+import importlib.util, sys
+sys.path[:0] = [{sysconfig.get_paths()["purelib"]!r}, {str(ROOT)!r}]
+spec = importlib.util.spec_from_file_location(
+    "safeview.guard._startup", {str(ROOT / "safeview" / "guard" / "_startup.py")!r})
+module = importlib.util.module_from_spec(spec)
+module._from_hook = True
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+print(type(sys.meta_path[0]).__name__)
+import torch
+from safeview.guard import process
+print(process.active(), process.policy().value)
+"""
+    result = _run("-S", "-c", program, SAFEVIEW_GUARD="warn")  # -S: no .pth read at all
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["Finder", "True", "warn"]
 
 
 @needs_hook
@@ -93,7 +136,8 @@ def test_the_hooks_file_imports_only_os_and_sys_when_it_runs() -> None:
         for node in ast.walk(function)
         if isinstance(node, (ast.Import, ast.ImportFrom))
     }
-    assert later == {"safeview", "safeview.guard"}  # the guard and its events, when one is imported
+    # the rest of the hook, the guard and its events: when a watched module is looked up
+    assert later == {"safeview", "safeview.guard", "safeview.guard._import_hook"}
 
 
 def test_the_pth_line_uses_only_what_the_interpreter_has_loaded() -> None:
@@ -105,5 +149,14 @@ def test_the_pth_line_uses_only_what_the_interpreter_has_loaded() -> None:
     assert isinstance(first, ast.Try)
     preferred = {n.module for n in first.body if isinstance(n, ast.ImportFrom)}
     assert preferred == {"_frozen_importlib", "_frozen_importlib_external"}
-    for name in preferred:  # loaded before any .pth is read, in every CPython
+    imported = {alias.name for n in tree.body if isinstance(n, ast.Import) for alias in n.names}
+    for name in preferred | imported:  # loaded before any .pth is read, in every CPython
         assert name in sys.modules
+    # the placeholder watches what the hook's file watches, under the name process.stop knows
+    from safeview.guard import _startup
+
+    (hook,) = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert hook.name == _startup.HOOK
+    assert set(_startup.WATCHED) <= {
+        n.value for n in ast.walk(hook) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }

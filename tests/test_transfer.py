@@ -348,7 +348,7 @@ def cases(draw: st.DrawFn) -> tuple[Layout, list[tuple[int, ...]], list[str | No
 
 # twice the profile's examples: 400 with --slow (as CI runs), 100 in the quick run
 SETTINGS = settings(
-    max_examples=2 * settings.default.max_examples,
+    max_examples=2 * settings().max_examples,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -1,6 +1,6 @@
 """The process guard's doors where every way in meets: torch's dispatcher, for the two ops that
 place a tensor on a storage or grow one (``aten::set_`` with four arguments, ``aten::resize_``),
-and ``torch._C.StorageBase.resize_``, the storage's own method.
+and ``torch._C.StorageBase.resize_``, the storage's own method (which also shrinks one).
 
 ``install()`` registers a kernel of ours for each op at the BackendSelect key and replaces the
 storage method; ``uninstall()`` removes the kernels (the ``torch.library.Library`` holding them is
@@ -162,7 +162,7 @@ def storage_resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStora
 
 def _judge_storage_resize(storage: torch.UntypedStorage, size: Any) -> None:
     """A growth of a storage with bytes that others may hold (``self`` holds one use), or a
-    shrink that leaves a known layer's bytes past the new end."""
+    shrink that leaves a known layer's bytes, or a live tensor's, past the new end."""
     try:
         entry._COUNTS[0] += 1
         new = operator.index(size)
@@ -171,9 +171,12 @@ def _judge_storage_resize(storage: torch.UntypedStorage, size: Any) -> None:
             return
         layers = _holds_layers(storage)
         if new < nbytes:
-            cut = [layer for layer in layers if layer[1] > new]
+            cut: list[tuple[int, int, str | None]] = [layer for layer in layers if layer[1] > new]
             if not cut:
-                return
+                reached = _live_reach(storage, new)
+                if reached is None:
+                    return
+                cut = [(*reached, None)]
             growth = False
         else:
             if nbytes == 0 or not _others(storage, 1):
@@ -190,16 +193,90 @@ def _judge_storage_resize(storage: torch.UntypedStorage, size: Any) -> None:
                 "UntypedStorage.resize_", facts, 0, (new,), (1,), 1, "uint8", _torch._site(), True
             )
         else:
-            _shrunk(storage, facts, new, min(cut))
+            _shrunk(storage, facts, new, min(cut, key=lambda layer: layer[:2]))
     finally:
         entry._local.busy = False
 
 
+# -- a shrink under live tensors -------------------------------------------------------------
+#
+# A storage that shrinks is reallocated smaller: every tensor over it keeps its offset and shape,
+# so one that reached past the new end now reads and writes freed memory. The tensors over a
+# storage are not listed anywhere torch can be asked, so the guard counts them (the storage's
+# use count: one per tensor, and one for the storage object being resized) and, when some may
+# reach past the new end, finds them among the objects Python's garbage collector tracks (every
+# tensor a Python object holds, in any thread; a view's ``_base`` too), without keeping them
+# alive. It stops once it has seen as many as the count says. Tensors that only C++ holds (an
+# autograd graph's saved tensors, an extension's) are counted but not found: what they reach
+# stays unjudged. A shrink to no bytes is a free (FSDP frees a parameter's storage with
+# ``resize_(0)`` while the parameter lives, and grows it back before use): its tensors point at
+# no memory, and a read of one faults rather than reads another allocation's bytes.
+
+_tensor_types: dict[type, bool] = {}
+
+
+def _live_reach(storage: torch.UntypedStorage, new: int) -> tuple[int, int] | None:
+    """``(first byte, exclusive end)`` of the live tensor over ``storage`` that reaches farthest
+    past ``new`` bytes, or ``None`` when none does (or none is found)."""
+    key = storage._cdata
+    users = entry._use_count(key) - 1  # the storage object being resized holds one use
+    if new <= 0 or users <= 0 or not storage.resizable():
+        return None  # a free, no tensor over it, or a resize torch refuses itself
+    base = storage.data_ptr()
+    end = base + storage.nbytes()
+    found: dict[int, torch.Tensor] = {}
+    farthest: tuple[int, int] | None = None
+    pointer = torch._C.TensorBase.data_ptr
+    # the youngest objects first (a collection between two lists only moves objects to an
+    # older one: seen twice, never missed)
+    with torch._C.DisableTorchFunctionSubclass():
+        for generation in (0, 1, 2):
+            for candidate in gc.get_objects(generation):
+                kind = type(candidate)
+                is_tensor = _tensor_types.get(kind)
+                if is_tensor is None:
+                    is_tensor = _tensor_types[kind] = issubclass(kind, torch.Tensor)
+                if not is_tensor or id(candidate) in found:
+                    continue
+                try:
+                    if not _has_storage(candidate) or not base <= pointer(candidate) <= end:
+                        continue
+                    for tensor in (candidate, candidate._base):
+                        if tensor is None or id(tensor) in found or not _has_storage(tensor):
+                            continue
+                        if tensor.untyped_storage()._cdata == key:
+                            found[id(tensor)] = tensor
+                            farthest = _farther(tensor, new, farthest)
+                except Exception:
+                    continue  # a tensor that cannot say where it lies (a subclass): not judged
+                if len(found) >= users:
+                    return farthest
+    return farthest
+
+
+def _farther(
+    tensor: torch.Tensor, new: int, farthest: tuple[int, int] | None
+) -> tuple[int, int] | None:
+    """``farthest``, or ``tensor``'s bytes when they reach farther past ``new`` bytes."""
+    offset = tensor.storage_offset()
+    if tensor.layout is not entry._STRIDED or not isinstance(offset, int):
+        return farthest  # sparse, or symbolic sizes: not numbers to judge
+    itemsize = tensor.element_size()
+    end = entry._extent_elements(offset, tuple(tensor.shape), tuple(tensor.stride())) * itemsize
+    first = offset * itemsize
+    if end <= new or end <= first:
+        return farthest  # inside the new size, empty, or sizes torch refuses itself
+    if farthest is None or (end, first) > farthest[::-1]:
+        return first, end
+    return farthest
+
+
 def _shrunk(
-    storage: torch.UntypedStorage, facts: Any, new: int, layer: tuple[int, int, str]
+    storage: torch.UntypedStorage, facts: Any, new: int, layer: tuple[int, int, str | None]
 ) -> None:
-    """A shrink of ``storage`` to ``new`` bytes, which ``layer`` (a known one) reaches past:
-    reported as that layer's bytes past the storage's new end; refused under strict."""
+    """A shrink of ``storage`` to ``new`` bytes, which ``layer`` (a known one, or a live tensor
+    with no name) reaches past: reported as those bytes past the storage's new end; refused
+    under strict."""
     judge = entry._process()
     first, end, name = layer
     try:

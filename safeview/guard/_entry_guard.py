@@ -9,7 +9,7 @@ changes a storage's size; each door works out the bytes the call needs, asks the
   ``resize_as_``, Tensor subclasses, ``inference_mode`` and C++ callers included; a growth of a
   storage with bytes that others may hold;
 - ``torch._C.StorageBase.resize_`` (so ``UntypedStorage.resize_``): a growth as above, or a
-  shrink below a known layer;
+  shrink below a known layer or a live tensor over the storage;
 
 and these Python entry points, patched in place:
 

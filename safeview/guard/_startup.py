@@ -1,24 +1,21 @@
-"""What the start-up hook runs when ``SAFEVIEW_GUARD`` is set: nothing a bare ``python -c pass``
-has not loaded already (``os`` and ``sys``), so that it costs a spawned process well under 3 ms
-(``benchmarks/bench_startup.py``; ``tests/test_startup.py`` holds it to its imports).
+"""The start-up hook's code: what runs in a process whose environment sets ``SAFEVIEW_GUARD`` once
+it looks up torch, NIXL or Mooncake. It imports nothing a bare ``python -c pass`` has not loaded
+already (``os`` and ``sys``); ``tests/test_startup.py`` holds it to that.
 
-``safeview-guard.pth`` (installed into site-packages with the package) loads this file in every
-interpreter whose environment sets ``SAFEVIEW_GUARD``, without importing the ``safeview`` package
-(whose import costs a tenth of a second) and without importing torch. It reads the variable once
-and, for ``strict`` or ``warn``, puts a finder on ``sys.meta_path`` that hears when torch, NIXL
-or Mooncake finishes importing: only then is ``safeview.guard.process`` imported and the guard put
-on that library, before the program's next line. A value that is not a policy gets one line on
-standard error and the process runs unguarded. Running this twice changes nothing.
-
-When ``SAFEVIEW_GUARD`` is unset or empty, the ``.pth`` line reads one environment variable and
-imports nothing.
+``safeview-guard.pth`` (installed into site-packages with the package) reads ``SAFEVIEW_GUARD`` at
+interpreter start. Unset or empty, it does nothing more. ``strict`` or ``warn``: it puts a
+placeholder on ``sys.meta_path`` and loads nothing, so that a process which never imports torch
+never reads, nor compiles, this file (``benchmarks/bench_startup.py`` measures both, with and
+without cached bytecode). The first lookup of a watched module loads this file, and the
+placeholder hands over to ``Finder`` (``hand_over``): when the module has run, the rest of the
+hook (``safeview.guard._import_hook``) hands it to ``safeview.guard.process``, and the guard goes
+on for it before the program's next line. Another value: this file is loaded to say so in one
+line on standard error (``resolve``), and the process runs unguarded. A second read of the
+``.pth`` (an editable and a regular install side by side) changes nothing.
 """
 
-# Imports: ``os`` and ``sys`` only, which every interpreter has loaded before it reads a ``.pth``.
-# Every process a guarded server spawns runs this file, so it must not load ``typing``, ``re``,
-# ``enum``, ``contextlib`` or ``importlib.util`` (9 to 13 ms of start-up in 0.4.1): the types
-# below exist for mypy only, and the annotations are strings (no ``from __future__ import
-# annotations`` either: that line imports the ``__future__`` module).
+# ``os`` and ``sys`` only (loaded before any .pth is read); types for mypy only, annotations as
+# strings (``typing`` and ``__future__`` cost milliseconds: test_startup.py lists them).
 import os
 import sys
 
@@ -27,75 +24,39 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from importlib.machinery import ModuleSpec
     from types import ModuleType
-    from typing import Any
 
 ENV_GUARD = "SAFEVIEW_GUARD"
 POLICIES = ("strict", "warn", "off")
-# The modules whose import turns the guard on for them: torch's entry points, and the transfer
-# engines' classes that safeview.transfer.nixl and safeview.transfer.mooncake guard (``nixl._api``
-# is an alias the ``nixl`` package makes of its CUDA build's module).
+# torch's entry points, and the transfer engines' classes (``nixl._api`` is an alias the ``nixl``
+# package makes of its CUDA build's module)
 WATCHED = ("torch", "nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api", "mooncake.engine")
 
 
-def resolve(raw: str | None, *, report: bool = True) -> str | None:
+def resolve(raw: "str | None", *, report: bool = True) -> "str | None":
     """The policy ``SAFEVIEW_GUARD`` asks for (``"strict"`` or ``"warn"``), or ``None`` for no
     guard: unset, empty, ``off``, or a value that is not a policy (then one line on standard
     error, naming the accepted values, when ``report``). Case and surrounding blanks are ignored,
     as ``SAFEVIEW_BOUNDS_POLICY`` reads them."""
-    if raw is None:
-        return None
-    value = raw.strip().lower()
-    if not value or value == "off":
-        return None
+    value = (raw or "").strip().lower()
     if value in POLICIES:
-        return value
-    if report:
-        _say(
-            f"safeview: {ENV_GUARD}={raw!r} is not a valid value; allowed values: "
-            f"{', '.join(POLICIES)}; this process runs unguarded\n"
-        )
+        return None if value == "off" else value
+    if value and report:
+        _say(f"{ENV_GUARD}={raw!r} is not a valid value; allowed values: {', '.join(POLICIES)}")
     return None
 
 
-def _say(line: str) -> None:
+def _say(problem: str) -> None:
     """One line on standard error; with no usable standard error, silence rather than a failure
     to start."""
-    try:  # noqa: SIM105 (contextlib is not loaded at start-up; importing it costs)
-        sys.stderr.write(line)
+    try:  # noqa: SIM105 (contextlib is not loaded at start-up)
+        sys.stderr.write(f"safeview: {problem}; this process runs unguarded\n")
     except Exception:
         pass
 
 
-class _Loader:
-    """Runs a watched module's own loader, then hands the module to the guard."""
-
-    def __init__(self, inner: "Any", name: str) -> None:
-        self.inner = inner
-        self.name = name
-
-    def create_module(self, spec: "ModuleSpec") -> "ModuleType | None":
-        create = getattr(self.inner, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: "ModuleType") -> None:
-        try:
-            self.inner.exec_module(module)
-        finally:
-            # the module is its own loader's again, whatever happens next
-            spec = getattr(module, "__spec__", None)
-            if spec is not None and spec.loader is self:
-                spec.loader = self.inner
-            if getattr(module, "__loader__", None) is self:
-                module.__loader__ = self.inner
-        _imported(self.name, module)
-
-    def __getattr__(self, name: str) -> "Any":
-        return getattr(self.inner, name)
-
-
 class Finder:
-    """A ``sys.meta_path`` entry that finds nothing itself: for the watched module names it asks
-    the rest of ``sys.meta_path`` for the spec and wraps its loader (``_Loader``)."""
+    """A ``sys.meta_path`` entry that finds nothing itself: for a watched name it asks the rest of
+    ``sys.meta_path`` for the spec and wraps its loader (``_import_hook.watched_spec``)."""
 
     def __init__(
         self, watched: "Sequence[str]", on_import: "Callable[[str, ModuleType], None]"
@@ -111,28 +72,50 @@ class Finder:
             return None
         self._busy.add(name)
         try:
-            for finder in sys.meta_path:
-                if finder is self or isinstance(finder, Finder):
-                    continue
-                find = getattr(finder, "find_spec", None)
-                if find is None:
-                    continue
-                spec: ModuleSpec | None = find(name, path, target)
-                if spec is not None:
-                    break
-            else:
-                return None
-        except Exception:
+            from safeview.guard._import_hook import watched_spec
+        except Exception as error:  # safeview cannot be imported: torch imports unguarded
+            self._busy.discard(name)
+            _say(f"the process guard cannot start on import of {name} ({error!r})")
             return None
+        try:
+            return watched_spec(self, name, path, target, self.on_import)
+        except Exception:
+            return None  # another finder's failure: the import goes on as without the hook
         finally:
             self._busy.discard(name)
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _Loader(spec.loader, name)  # type: ignore[assignment]
-        return spec
 
 
+# the placeholder's class name in safeview-guard.pth (process.stop takes it off sys.meta_path too)
+HOOK = "SafeviewGuardHook"
 _policy: list[str] = []
+
+
+def hand_over(
+    hook: object,
+    policy: str,
+    name: str,
+    path: "Sequence[str] | None" = None,
+    target: "ModuleType | None" = None,
+) -> "ModuleSpec | None":
+    """``safeview-guard.pth``'s placeholder (``hook``) saw the first lookup of a watched module:
+    ``Finder`` takes its place on ``sys.meta_path`` with the policy read at start-up (unless one
+    is there already: ``process.start`` put it), and answers for ``name``. Never raises."""
+    if hook in sys.meta_path:  # else handed over already, in another thread
+        sys.meta_path.remove(hook)
+    try:
+        if not any(isinstance(finder, Finder) for finder in sys.meta_path):
+            install(policy)
+        for finder in sys.meta_path:
+            if isinstance(finder, Finder):
+                return finder.find_spec(name, path, target)
+    except Exception as error:
+        _say(f"the process guard cannot start on import of {name} ({error!r})")
+    return None
+
+
+def is_hook(finder: object) -> bool:
+    """Whether ``finder`` is the start-up hook's (``Finder``, or the ``.pth``'s placeholder)."""
+    return isinstance(finder, Finder) or type(finder).__name__ == HOOK
 
 
 def _imported(name: str, module: "ModuleType") -> None:
@@ -147,10 +130,7 @@ def _imported(name: str, module: "ModuleType") -> None:
 
             log.internal_error(where=f"process guard on import of {name}", error=error)
         except Exception:  # safeview itself cannot be imported: say so in one line
-            _say(
-                f"safeview: the process guard cannot start on import of {name} "
-                f"({type(error).__name__}: {error}); this process runs unguarded\n"
-            )
+            _say(f"the process guard cannot start on import of {name} ({error!r})")
 
 
 def install(policy: str) -> None:
@@ -165,15 +145,10 @@ def install(policy: str) -> None:
             _imported(name, module)
 
 
-def main() -> None:
-    """The start-up hook: read ``SAFEVIEW_GUARD`` and install the finder for its policy."""
-    policy = resolve(os.environ.get(ENV_GUARD))
-    if policy is not None:
-        install(policy)
-
-
-# The .pth loads this file as ``safeview.guard._startup`` (registered in ``sys.modules`` first, so
-# that a second run of the .pth finds it and stops) with ``_from_hook`` set; imported in any other
-# way, it only defines its functions.
+# A safeview-guard.pth of 0.6.2 and before (an editable install updated without reinstalling)
+# loads this file at start with ``_from_hook`` set: the finder goes on at once, as it did then.
+# Loaded by today's placeholder, or imported, it only defines its functions.
 if globals().get("_from_hook"):
-    main()
+    _chosen = resolve(os.environ.get(ENV_GUARD))
+    if _chosen is not None:
+        install(_chosen)

@@ -11,8 +11,9 @@ interpreter start; when torch (or NIXL, or Mooncake) is imported, the guard goes
 (``safeview.guard._entry_guard`` names the entry points). Each call to a watched entry point is
 judged by the one checker (``safeview.check.bounds``) before torch runs it:
 
-- under ``strict`` a view past the end of its storage, or a growth of a storage other tensors
-  use, raises ``BoundsError`` and nothing is made, moved or resized;
+- under ``strict`` a view past the end of its storage, a growth of a storage other tensors
+  use, or a shrink that leaves a live tensor past the new end, raises ``BoundsError`` and
+  nothing is made, moved or resized;
 - under ``warn`` a ``bounds_violation`` event, and the call goes on exactly as without safeview.
 
 A raw address (``ctypes`` memory at an address however wrapped, a numpy array over it, a DLPack
@@ -624,7 +625,7 @@ def start(policy: PolicyArg = "strict") -> None:
 def stop() -> None:
     """Turn the guard off: torch's own entry points are back, and ``process_guard_stopped`` says
     what it did."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _startup.Finder)]
+    sys.meta_path[:] = [f for f in sys.meta_path if not _startup.is_hook(f)]
     if "safeview.guard._entry_guard" in sys.modules:
         from safeview.guard import _aten_guard, _entry_guard
 
