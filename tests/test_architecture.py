@@ -20,8 +20,8 @@ CORE = {
     "testing", "view", "_torch",
 }  # fmt: skip
 # What each part may import besides itself and the core: the faces stand on the core and on
-# the faces below them; an engine's folder (vLLM) uses the faces; nothing imports it but the
-# package's own lazy names.
+# the faces below them; an engine's folder (vLLM, SGLang) uses the faces; nothing imports it but
+# the package's own lazy names.
 MAY_IMPORT = {
     "core": set(),
     "manifest": set(),  # two parties: what each page byte means, and the diff
@@ -30,6 +30,7 @@ MAY_IMPORT = {
     "kv": {"guard"},  # whole registrations, checked, then run under sanitize()
     "cli": {"manifest", "transfer", "guard"},  # the command: check, diff, run, the map
     "vllm": {"kv", "manifest", "transfer", "guard"},  # vLLM's names, rules and plugin
+    "sglang": {"kv", "manifest", "transfer", "guard"},  # SGLang's pools and plugin (issue 39)
     "package": {"manifest", "transfer", "guard", "kv", "cli", "vllm"},  # safeview/__init__.py
 }
 # The torch boundary: storages, geometry and views (the core's), the digest's arithmetic on pages

@@ -1,0 +1,358 @@
+"""Everything that knows SGLang's names: its KV pools read into a manifest, and its plugin.
+
+``describe_pool(pool, topology=...)`` reads an SGLang 0.5.23 token-to-KV pool off its tensors'
+strides into a ``safeview.Manifest``: an MHA pool (``MHATokenToKVPool``: ``k_buffer[i]`` and
+``v_buffer[i]``, ``[slots, heads, head_dim]`` each) is one ``attention`` layer per model layer,
+named ``layers.{layer_id}``, a page being ``page_size`` token slots, K and V its outer ``kv``
+axis when both halves lie in one allocation (as 0.5.23 allocates them when K and V have one
+shape); else K and V are two layers, ``layers.{layer_id}.k`` and ``.v``. An MLA pool
+(``kv_buffer[i]``, ``[slots, 1, latent]``) is one ``latent`` layer per model layer. The dtype is
+the pool's (``float8_e4m3fn`` where SGLang stores fp8 as ``uint8``).
+
+``install()`` is the entry point in SGLang's ``sglang.srt.plugins`` group, which SGLang's
+``load_plugins()`` runs early in every scheduler process: it puts safeview on SGLang's Mooncake
+disaggregation classes in the calling process (``safeview.sglang._mooncake``). ``SAFEVIEW_SGLANG=0``
+turns it off; ``SAFEVIEW_BOUNDS_POLICY`` says strict, warn or off. SGLang is imported only when
+one of these runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from safeview import _torch, log
+from safeview.errors import ArgumentError
+from safeview.manifest import Layer, Manifest, Topology, layer_from_geometry
+from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
+
+__all__ = [
+    "ENV_SGLANG",
+    "KNOWN_VERSIONS",
+    "describe_pool",
+    "install",
+    "pool_buffers",
+    "pool_memory_map",
+]
+
+ENV_SGLANG = "SAFEVIEW_SGLANG"
+KNOWN_VERSIONS = ("0.5.23",)
+"""SGLang releases whose pools and Mooncake manager ``safeview.sglang`` follows."""
+
+_PATCHED = "__safeview_guarded__"
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version, or why there is none (for events; never raises)."""
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # not installed is an unknown SGLang too
+        return "not installed"
+
+
+# -- the pools ---------------------------------------------------------------------------------
+
+
+class Buffer:
+    """One tensor SGLang registers for transfer: its name in the manifest's terms
+    (``layers.3.k``), the tensor, and the bytes of one page of it (SGLang's ``item_len``)."""
+
+    __slots__ = ("item_bytes", "name", "pages", "tensor")
+
+    def __init__(self, name: str, tensor: Any, item_bytes: int, pages: int) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.item_bytes = item_bytes
+        self.pages = pages
+
+
+def _layer_ids(pool: Any, count: int) -> list[int]:
+    start = getattr(pool, "start_layer", None) or 0
+    return [int(start) + index for index in range(count)]
+
+
+def _slot_geometry(name: str, tensor: Any, page_size: int) -> tuple[int, list[int], list[int]]:
+    """``(pages, page shape, page strides)`` of a ``[slots, ...]`` buffer, in elements: a page is
+    ``page_size`` consecutive slots (SGLang's NHD rows)."""
+    if not _torch.is_strided_tensor(tensor) or tensor.dim() < 2:
+        raise ArgumentError(
+            f"SGLang buffer {name!r} must be a [slots, ...] tensor; got "
+            f"{type(tensor).__name__} {tuple(getattr(tensor, 'shape', ()))}"
+        )
+    _, shape, strides, _ = _torch.geometry(tensor)
+    return int(shape[0]) // page_size, [page_size, *shape[1:]], [strides[0], *strides[1:]]
+
+
+def pool_buffers(pool: Any) -> list[Buffer]:
+    """The buffers an SGLang pool registers for transfer, in the order of its
+    ``get_contiguous_buf_infos()`` (every K, then every V; an MLA pool's one per layer), named as
+    ``describe_pool`` names the layers they belong to."""
+    page_size = _page_size(pool)
+    if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
+        ids = _layer_ids(pool, len(pool.k_buffer))
+        named = [(f"layers.{i}.k", t) for i, t in zip(ids, pool.k_buffer)]
+        named += [(f"layers.{i}.v", t) for i, t in zip(ids, pool.v_buffer)]
+    elif hasattr(pool, "kv_buffer"):
+        ids = _layer_ids(pool, len(pool.kv_buffer))
+        named = [(f"layers.{i}", t) for i, t in zip(ids, pool.kv_buffer)]
+    else:
+        raise ArgumentError(
+            f"{type(pool).__name__} is not an SGLang MHA or MLA token-to-KV pool "
+            "(no k_buffer/v_buffer, no kv_buffer)"
+        )
+    found = []
+    for name, tensor in named:
+        pages, _shape, strides = _slot_geometry(name, tensor, page_size)
+        itemsize = _torch.geometry(tensor).itemsize
+        found.append(Buffer(name, tensor, page_size * strides[0] * itemsize, pages))
+    return found
+
+
+def _page_size(pool: Any) -> int:
+    page_size = getattr(pool, "page_size", None)
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ArgumentError(f"pool.page_size must be a positive int; got {page_size!r}")
+    return page_size
+
+
+def _dtype_of(pool: Any, tensor: Any) -> str:
+    """The pool's own dtype (SGLang stores fp8 caches as uint8: the meaning is the pool's)."""
+    dtype = getattr(pool, "dtype", None)
+    name = _torch.dtype_name(dtype) if dtype is not None else _torch.dtype_name(tensor.dtype)
+    if dtype is not None and dtype.itemsize != tensor.element_size():
+        name = _torch.dtype_name(tensor.dtype)  # a packed format: its stored elements
+    return name
+
+
+def _attention_layer(
+    name: str, pool: Any, key: Any, value: Any, heads: Sequence[int] | None
+) -> Layer | None:
+    """K and V as one layer whose outer ``kv`` axis steps from K to V, when both lie in one
+    storage with one geometry and V after K; else ``None``."""
+    if not (_torch.is_strided_tensor(key) and _torch.is_strided_tensor(value)):
+        return None
+    k_geometry, v_geometry = _torch.geometry(key), _torch.geometry(value)
+    same_storage = (
+        _torch.storage_facts(_torch.storage_of(key)).key
+        == _torch.storage_facts(_torch.storage_of(value)).key
+    )
+    gap_bytes = v_geometry.byte_offset - k_geometry.byte_offset
+    if (
+        not same_storage
+        or key.dtype != value.dtype
+        or k_geometry.shape != v_geometry.shape
+        or k_geometry.strides != v_geometry.strides
+        or gap_bytes <= 0
+        or gap_bytes % k_geometry.itemsize
+        or len(k_geometry.shape) != 3
+    ):
+        return None
+    page_size = _page_size(pool)
+    pages, shape, strides = _slot_geometry(name, key, page_size)
+    return layer_from_geometry(
+        name,
+        axes=("kv", "block", "token", "head", "element"),
+        shape=(2, pages, *shape),
+        strides_elements=(gap_bytes // k_geometry.itemsize, page_size * strides[0], *strides),
+        byte_offset=k_geometry.byte_offset,
+        dtype=_dtype_of(pool, key),
+        heads=heads,
+    )
+
+
+def _separate_layer(name: str, pool: Any, tensor: Any) -> Layer:
+    """One buffer as a layer of its own (K or V apart, or an MLA latent vector per token)."""
+    page_size = _page_size(pool)
+    pages, shape, strides = _slot_geometry(name, tensor, page_size)
+    inner: tuple[str, ...] = (
+        ("head", "element") if len(shape) == 3 and shape[1] > 1 else ("unit", "element")
+    )
+    if len(shape) == 2:
+        inner = ("element",)
+    return layer_from_geometry(
+        name,
+        axes=("block", "token", *inner),
+        shape=(pages, *shape),
+        strides_elements=(page_size * strides[0], *strides),
+        byte_offset=_torch.byte_offset(tensor),
+        dtype=_dtype_of(pool, tensor),
+        kind="latent",
+    )
+
+
+def describe_pool(pool: Any, *, topology: Topology | Mapping[str, Any] | None = None) -> Manifest:
+    """The manifest of an SGLang 0.5.23 token-to-KV pool (see the module's docstring), read off
+    its tensors' strides: the pool may live on any device, ``meta`` included. ``topology`` says
+    which attention-TP rank of how many this is and the model's total KV heads (SGLang's
+    ``attn_tp_rank``, ``attn_tp_size``, ``total_kv_head_num``; DCP as ``dcp_size``/``dcp_rank``);
+    the page size becomes the block tokens. ``ArgumentError`` for a pool it does not know;
+    ``ManifestError`` naming the layer and axis for one whose strides it cannot read."""
+    page_size = _page_size(pool)
+    known = Topology.model_validate(dict(topology)) if isinstance(topology, Mapping) else topology
+    known = known or Topology()
+    known = known.model_copy(
+        update={
+            "kernel_block_tokens": page_size,
+            "logical_block_tokens": page_size,
+            "engine_version": known.engine_version or f"sglang {sglang_version()}",
+            "layout": known.layout or "NHD",
+        }
+    )
+    layers: dict[str, Layer] = {}
+    if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
+        head_num = int(getattr(pool, "head_num", 0) or 0)
+        heads = None
+        if head_num and known.total_kv_heads is not None:
+            from safeview.manifest import layer_heads
+
+            heads = layer_heads(known.tp_rank, known.tp_size, known.total_kv_heads, head_num)
+        ids = _layer_ids(pool, len(pool.k_buffer))
+        for layer_id, key, value in zip(ids, pool.k_buffer, pool.v_buffer):
+            fused = _attention_layer(f"layers.{layer_id}", pool, key, value, heads)
+            if fused is not None:
+                layers[f"layers.{layer_id}"] = fused
+            else:
+                layers[f"layers.{layer_id}.k"] = _separate_layer(f"layers.{layer_id}.k", pool, key)
+                layers[f"layers.{layer_id}.v"] = _separate_layer(
+                    f"layers.{layer_id}.v", pool, value
+                )
+    else:
+        for buffer in pool_buffers(pool):
+            layers[buffer.name] = _separate_layer(buffer.name, pool, buffer.tensor)
+    if not layers:
+        raise ArgumentError(f"{type(pool).__name__} holds no layer")
+    return Manifest(topology=known, layers=layers)
+
+
+def pool_memory_map(pool: Any, *, whole_buffers: bool = False) -> MemoryMap:
+    """The pool's buffers as a ``safeview.transfer.MemoryMap``: each storage at its address,
+    each buffer a view of pages of SGLang's ``item_len`` bytes (``whole_buffers``: one page
+    holding the whole buffer, to judge what SGLang registers), named as ``pool_buffers`` names
+    them. Buffers on ``meta`` have no address and are left out."""
+    storages: dict[int, StorageSpan] = {}
+    views: list[ViewSpan] = []
+    for buffer in pool_buffers(pool):
+        facts = _torch.storage_facts(_torch.storage_of(buffer.tensor))
+        if not facts.base:
+            continue
+        span = storages.get(facts.key)
+        if span is None:
+            span = storages[facts.key] = StorageSpan(
+                f"storage{len(storages)}", facts.base, facts.nbytes, facts.device
+            )
+        offset = _torch.byte_offset(buffer.tensor)
+        if whole_buffers:
+            from safeview import _arith
+
+            geometry = _torch.geometry(buffer.tensor)
+            extent = _arith.extent_bytes(0, geometry.shape, geometry.strides, geometry.itemsize)
+            views.append(ViewSpan(buffer.name, span.name, offset, extent, extent, 1, buffer.name))
+        else:
+            views.append(
+                ViewSpan(
+                    buffer.name,
+                    span.name,
+                    offset,
+                    buffer.item_bytes,
+                    buffer.item_bytes,
+                    buffer.pages,
+                    buffer.name,
+                )
+            )
+    return MemoryMap(tuple(storages.values()), tuple(views))
+
+
+# -- which pool a pointer came from ------------------------------------------------------------
+
+# data_ptr of a registered buffer -> its pool: SGLang hands its managers pointers, never pools
+_POOLS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def remember_pool(pool: Any) -> None:
+    """Note that ``pool``'s buffers may be handed to a transfer manager (their addresses)."""
+    try:
+        for buffer in pool_buffers(pool):
+            _POOLS[int(buffer.tensor.data_ptr())] = pool
+    except Exception as error:  # a pool it does not know: judged as SGLang judges it
+        step_aside("pool not described", f"{type(error).__name__}: {error}")
+
+
+def pool_of(pointers: Sequence[int]) -> Any:
+    """The one pool whose buffers start at the first of ``pointers``, or ``None``."""
+    return _POOLS.get(int(pointers[0])) if pointers else None
+
+
+# -- the plugin --------------------------------------------------------------------------------
+
+_stepped_aside: set[str] = set()
+
+
+def step_aside(what: str, reason: str) -> None:
+    """Say once per process and ``what`` why safeview leaves something of SGLang's alone."""
+    if what not in _stepped_aside:
+        _stepped_aside.add(what)
+        log.integration(
+            "integration_unavailable",
+            integration="sglang",
+            reason=f"{what}: {reason}",
+            version=sglang_version(),
+        )
+
+
+def _wrap_pool_class(cls: type) -> None:
+    """``cls.get_contiguous_buf_infos`` remembers its pool's buffers' addresses first."""
+    original = cls.__dict__.get("get_contiguous_buf_infos")
+    if original is None or getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def get_contiguous_buf_infos(self: Any, *args: Any, **kwargs: Any) -> Any:
+        remember_pool(self)
+        return original(self, *args, **kwargs)
+
+    setattr(get_contiguous_buf_infos, _PATCHED, True)
+    setattr(cls, "get_contiguous_buf_infos", get_contiguous_buf_infos)  # noqa: B010
+
+
+def install() -> None:
+    """The ``sglang.srt.plugins`` entry point: safeview on SGLang's Mooncake disaggregation in
+    this process (``safeview.sglang._mooncake``), once; with ``SAFEVIEW_SGLANG=0`` nothing.
+    Never raises: an SGLang whose internals are not the ones it knows gets one
+    ``integration_unavailable`` event and no patching."""
+    if os.environ.get(ENV_SGLANG, "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    try:
+        from sglang.srt.mem_cache.memory_pool import (  # type: ignore[import-not-found,unused-ignore]
+            MHATokenToKVPool,
+            MLATokenToKVPool,
+        )
+
+        from safeview.sglang import _mooncake
+
+        for cls in (MHATokenToKVPool, MLATokenToKVPool):
+            _wrap_pool_class(cls)
+        _mooncake.install_manager()
+    except Exception as error:
+        log.integration(
+            "integration_unavailable",
+            integration="sglang",
+            reason=f"{type(error).__name__}: {error}",
+            version=sglang_version(),
+        )
+        return
+    from safeview.policy import current_policy
+
+    log.integration(
+        "integration_installed",
+        integration="sglang",
+        reason=(
+            "MooncakeKVManager guarded (registration, peer manifests); "
+            f"policy {current_policy().value}"
+        ),
+        version=sglang_version(),
+    )

@@ -1,0 +1,453 @@
+"""A prefill (P) and a decode (D) process of SGLang 0.5.23's disaggregation on CPU, moving real
+KV bytes over Mooncake TCP with SGLang's own managers (``tests/test_sglang.py`` runs them).
+
+Run as ``python tests/sglang_harness.py ROLE PORT CASES_JSON``; ROLE ``prefill`` or ``decode``
+(a pair, below), ``pools`` (SGLang's pools and their manifests, for ``describe_pool``) or
+``register`` (a decode manager over a region SGLang reports too long). Each process publishes
+SGLang's ``ServerArgs`` (``device="cpu"``, ``disaggregation_transfer_backend="mooncake"``,
+``page_size=4``), builds a CPU ``MHATokenToKVPool``, fills ``KVArgs`` as SGLang's ``prefill.py``
+does and starts a ``MooncakeKVManager``; P also starts the ``MooncakeKVBootstrapServer`` on
+127.0.0.1. P has one pool; D builds a pool and a manager per case, as a decode engine of that
+layout would, and they run the cases in order (one bootstrap room each): P writes a pattern
+through its pool, SGLang's ``MooncakeKVSender`` sends the pages, D's ``MooncakeKVReceiver``
+receives them, and D reports what its pool holds. Each process prints one JSON line per case
+and ends with ``os._exit`` (SGLang 0.5.23's ``teardown`` aborts in libzmq).
+
+With ``SAFEVIEW_HARNESS_INSTALL=1`` the process calls ``safeview.sglang.install()`` first, as
+SGLang's plugin loader would.
+
+What stands in for what SGLang would have (nothing else is changed):
+
+- ``triton``: SGLang's own stub (``sglang/_platform_stubs.py``, the macOS one), loaded by path;
+  ``import triton`` is reached from ``sglang/__init__.py`` and nothing here runs a kernel.
+- ``torchvision``: an empty module visible only to modules under ``sglang.`` (its
+  ``multimodal`` configs import it; PyPI's wheel is a CUDA build that cannot load here).
+- ``pp_group``: the prefill manager stores ``get_parallel().pp_group``, which needs
+  torch.distributed's groups; with one pipeline stage SGLang never uses it: ``None`` is
+  stated with ``override_permanently``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+PAGE_SIZE = 4
+POOL_TOKENS = 64  # 16 pages, and SGLang's padded page
+LAYERS = 2
+TIMEOUT_S = 120.0
+
+
+# -- import stand-ins --------------------------------------------------------------------------
+
+
+def _install_triton_stub() -> None:
+    """SGLang's own triton stub, loaded by path: the triton block of its
+    ``install_platform_stubs`` (the macOS one) without its MPS part. ``sglang/__init__`` would
+    import triton; nothing here runs a kernel."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None
+    assert spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations))) / "_platform_stubs.py"
+    loader_spec = importlib.util.spec_from_file_location("_sglang_platform_stubs", path)
+    assert loader_spec is not None
+    assert loader_spec.loader is not None
+    stubs = importlib.util.module_from_spec(loader_spec)
+    sys.modules[loader_spec.name] = stubs  # its dataclasses look their module up
+    loader_spec.loader.exec_module(stubs)
+    tree = ast.parse(path.read_text())
+    install = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name == "install_platform_stubs"
+    )
+    block = next(
+        node
+        for node in install.body
+        if isinstance(node, ast.If) and "'triton' not in sys.modules" in ast.unparse(node.test)
+    )
+    exec(compile(ast.Module([block], []), str(path), "exec"), vars(stubs))
+
+
+class _TorchvisionForSglang(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import torchvision`` from a module under ``sglang.`` gets an empty module; any other
+    importer (transformers' availability probe) still finds none."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "torchvision" and not fullname.startswith("torchvision."):
+            return None
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if not name.startswith(("importlib", "_frozen_importlib")) and name != __name__:
+                if name.startswith("sglang."):
+                    return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+                return None
+            frame = frame.f_back  # type: ignore[assignment]
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        return None
+
+
+def _stand_ins() -> None:
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+    _install_triton_stub()
+    sys.meta_path.insert(0, _TorchvisionForSglang())
+
+
+# -- one side ----------------------------------------------------------------------------------
+
+
+def _server_args(mode: str, port: int) -> Any:
+    from sglang.srt import runtime_context  # type: ignore[import-not-found,unused-ignore]
+    from sglang.srt.server_args import ServerArgs  # type: ignore[import-not-found,unused-ignore]
+
+    args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=port,
+        host="127.0.0.1",
+        page_size=PAGE_SIZE,
+    )
+    # one scheduler process, rank 0 of one: its place, as SGLang's launcher gives it
+    runtime_context.publish(
+        args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0, gpu_id=0)
+    )
+    # the pp_group stand-in: torch.distributed's groups are never built here, and with one
+    # pipeline stage the prefill manager never uses the group it stores
+    runtime_context.get_parallel().override_permanently(pp_group=None)
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (  # type: ignore[import-not-found,unused-ignore]
+        maybe_init_shared_mooncake_transfer_engine,
+    )
+
+    # SGLang's own start-up of the one Mooncake engine a process shares (parallel_state's)
+    maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
+    return args
+
+
+def _pool(case: dict[str, Any]) -> Any:
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # type: ignore[import-not-found,unused-ignore]
+
+    return MHATokenToKVPool(
+        size=POOL_TOKENS,
+        page_size=PAGE_SIZE,
+        dtype=getattr(torch, case.get("dtype", "bfloat16")),
+        head_num=int(case.get("heads", 4)),
+        head_dim=int(case.get("head_dim", 16)),
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+
+
+def _manager(pool: Any, mode: str, server_args: Any, total_heads: int, extra_pages: int = 0) -> Any:
+    import torch
+    from sglang.srt.disaggregation.base.conn import KVArgs  # type: ignore[import-not-found,unused-ignore]
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager  # type: ignore[import-not-found,unused-ignore]
+    from sglang.srt.disaggregation.utils import DisaggregationMode, get_kv_transfer_buf_infos  # type: ignore[import-not-found,unused-ignore]
+
+    kv_args = KVArgs()
+    kv_args.engine_rank = 0
+    kv_args.pp_rank = 0
+    kv_args.system_dp_rank = 0
+    kv_args.rust_http_port = None
+    kv_args.kv_cache_dtype_str = "auto"
+    kv_args.kv_layout = None
+    kv_args.prefill_start_layer = 0
+    ptrs, lens, item_lens = get_kv_transfer_buf_infos(pool)
+    if extra_pages:  # a region that runs past its buffer (a pool that misreports its span)
+        lens = [lens[0] + extra_pages * item_lens[0], *lens[1:]]
+    kv_args.prefill_end_layer = LAYERS
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, item_lens
+    kv_args.num_draft_entries = 0
+    kv_args.kv_layer_ids = list(range(LAYERS)) * 2
+    kv_args.kv_head_num = pool.head_num
+    kv_args.total_kv_head_num = total_heads
+    kv_args.page_size = PAGE_SIZE
+    aux = torch.zeros((8, 64), dtype=torch.uint8)  # SGLang's metadata buffers, one kind
+    _KEEP.append(aux)
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = (
+        [aux.data_ptr()],
+        [aux.numel()],
+        [64],
+    )
+    kv_args.ib_device = None
+    kv_args.gpu_id = 0
+    kv_args.state_types = []
+    kv_args.state_data_ptrs, kv_args.state_data_lens, kv_args.state_item_lens = [], [], []
+    kv_args.state_layer_ids, kv_args.state_dim_per_tensor = [], []
+    kv_args.state_slice_outer_counts, kv_args.state_conv_shard_groups = [], []
+    kv_args.is_hybrid_mla_backend = False
+    kv_args.swa_kv_cache_layout = None
+    role = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
+    return MooncakeKVManager(kv_args, role, server_args, False)
+
+
+_KEEP: list[Any] = []
+
+
+def _pattern(pool: Any, pages: list[int]) -> None:
+    """Write distinct bytes into ``pages`` of every K and V buffer of ``pool``."""
+    import torch
+
+    for index, buffer in enumerate([*pool.k_buffer, *pool.v_buffer]):
+        raw = buffer.view(torch.uint8).view(buffer.shape[0], -1)
+        for page in pages:
+            rows = raw[page * PAGE_SIZE : (page + 1) * PAGE_SIZE]
+            values = torch.arange(rows.numel(), dtype=torch.int64) * 7 + index * 31 + page * 13
+            rows.copy_((values % 251 + 1).to(torch.uint8).view(rows.shape))
+
+
+def _page_bytes(pool: Any, pages: list[int]) -> list[str]:
+    """Each buffer's ``pages`` as hex, in registration order."""
+    import torch
+
+    found = []
+    for buffer in [*pool.k_buffer, *pool.v_buffer]:
+        raw = buffer.view(torch.uint8).view(buffer.shape[0], -1)
+        found.append(
+            b"".join(
+                raw[p * PAGE_SIZE : (p + 1) * PAGE_SIZE].contiguous().numpy().tobytes()
+                for p in pages
+            ).hex()
+        )
+    return found
+
+
+def _nonzero(pool: Any) -> int:
+    import torch
+
+    return int(sum(int((b.view(torch.uint8) != 0).sum()) for b in [*pool.k_buffer, *pool.v_buffer]))
+
+
+_POLL = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
+
+
+def _wait(poll: Any, wanted: set[str], deadline: float) -> str:
+    """Poll until a state in ``wanted`` (SGLang's ``KVPoll`` by name) or the deadline."""
+    while True:
+        state = _POLL.get(int(poll()), str(poll()))
+        if state in wanted or time.monotonic() > deadline:
+            return state
+        time.sleep(0.02)
+
+
+def prefill(port: int, cases: list[dict[str, Any]]) -> None:
+    import numpy as np
+    from sglang.srt.disaggregation.mooncake.conn import (  # type: ignore[import-not-found,unused-ignore]
+        MooncakeKVBootstrapServer,
+        MooncakeKVSender,
+    )
+
+    MooncakeKVBootstrapServer("127.0.0.1", port)
+    server_args = _server_args("prefill", port)
+    layout = cases[0]["prefill"]
+    pool = _pool(layout)
+    manager = _manager(pool, "prefill", server_args, int(layout.get("heads", 4)))
+    print(json.dumps({"side": "prefill", "ready": True}), flush=True)
+    for room, case in enumerate(cases, start=1):
+        sender = MooncakeKVSender(manager, f"127.0.0.1:{port}", room)
+        deadline = time.monotonic() + TIMEOUT_S
+        state = _wait(sender.poll, {"WaitingForInput", "Failed"}, deadline)
+        result: dict[str, Any] = {"side": "prefill", "case": case["name"], "bootstrap": state}
+        if state == "WaitingForInput":
+            pages = case["src_pages"]
+            _pattern(pool, pages)
+            result["sent"] = _page_bytes(pool, pages)
+            sender.init(len(pages), 0)
+            sender.send(np.array(pages, dtype=np.int32))
+            result["state"] = _wait(sender.poll, {"Success", "Failed"}, deadline)
+            if result["state"] == "Failed":
+                result["reason"] = _reason(sender)
+        result["events"] = _new_events()
+        print(json.dumps(result), flush=True)
+    time.sleep(1.0)  # let D read the last status
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _reason(party: Any) -> str:
+    try:
+        party.failure_exception()
+    except Exception as error:
+        return str(error)
+    return ""
+
+
+def decode(port: int, cases: list[dict[str, Any]]) -> None:
+    import numpy as np
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver  # type: ignore[import-not-found,unused-ignore]
+
+    server_args = _server_args("decode", port)
+    for room, case in enumerate(cases, start=1):
+        pool = _pool(case["decode"])
+        _KEEP.append(pool)
+        manager = _manager(pool, "decode", server_args, int(case["decode"].get("heads", 4)))
+        _KEEP.append(manager)
+        deadline = time.monotonic() + TIMEOUT_S
+        address = f"127.0.0.1:{port}"
+        # as the decode queue does before it makes a receiver: P's parallel info, once
+        while not manager.try_ensure_parallel_info(address) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        receiver = MooncakeKVReceiver(manager, address, room)
+        receiver.init(0)
+        pages = case["dst_pages"]
+        receiver.send_metadata(np.array(pages, dtype=np.int32), 0)
+        state = _wait(receiver.poll, {"Success", "Failed"}, deadline)
+        result: dict[str, Any] = {"side": "decode", "case": case["name"], "state": state}
+        if state == "Failed":
+            result["reason"] = _reason(receiver)
+        result["received"] = _page_bytes(pool, pages)
+        result["nonzero_bytes"] = _nonzero(pool)
+        result["events"] = _new_events()
+        print(json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def pools(cases: list[dict[str, Any]]) -> None:
+    """For each case a pool (``kind`` ``mha`` or ``mla``), each element of every buffer
+    holding its own code (``_code``), and one JSON line: the pool's manifest
+    (``safeview.sglang.describe_pool``) and every buffer's storage as hex, with its first
+    byte's offset in it; ``tests/test_sglang.py`` decodes the bytes by the manifest."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # type: ignore[import-not-found,unused-ignore]
+
+    import safeview.sglang
+
+    for case in cases:
+        if case.get("kind") == "mla":
+            pool = MLATokenToKVPool(
+                size=POOL_TOKENS, page_size=PAGE_SIZE, dtype=torch.bfloat16,
+                kv_lora_rank=int(case["latent"]) - 8, qk_rope_head_dim=8, layer_num=LAYERS,
+                device="cpu", enable_memory_saver=False,
+            )  # fmt: skip
+            buffers = {f"kv.{i}": t for i, t in enumerate(pool.kv_buffer)}
+        else:
+            pool = MHATokenToKVPool(
+                size=POOL_TOKENS, page_size=PAGE_SIZE,
+                dtype=getattr(torch, case.get("dtype", "bfloat16")),
+                head_num=int(case.get("heads", 4)), head_dim=int(case.get("head_dim", 16)),
+                v_head_dim=case.get("v_head_dim"), layer_num=LAYERS, device="cpu",
+                enable_memory_saver=False,
+            )  # fmt: skip
+            buffers = {f"k.{i}": t for i, t in enumerate(pool.k_buffer)}
+            buffers |= {f"v.{i}": t for i, t in enumerate(pool.v_buffer)}
+        for name, tensor in buffers.items():
+            codes = _code_tensor(name, tensor)
+            raw = tensor.view(codes.dtype) if tensor.element_size() > 1 else tensor
+            raw.copy_(codes.view(raw.shape).to(raw.dtype))
+        storages = {}
+        for name, tensor in buffers.items():  # K and V may share one storage: read it whole
+            storage = tensor.untyped_storage()
+            storages[name] = {
+                "offset": tensor.data_ptr() - storage.data_ptr(),
+                "base": storage.data_ptr(),
+                "hex": bytes(storage).hex(),
+            }
+        topology = {"tp_size": 1, "total_kv_heads": int(getattr(pool, "head_num", 1))}
+        manifest = safeview.sglang.describe_pool(pool, topology=topology)
+        print(json.dumps({"case": case, "manifest": manifest.to_json(),
+                          "storages": storages}), flush=True)  # fmt: skip
+    os._exit(0)
+
+
+def _code_tensor(name: str, tensor: Any) -> Any:
+    """Every element's code: its buffer (K 0, V 1, MLA 0), slot, and index inside the slot,
+    ``((buffer * slots + slot) * per_slot + index) % 2**15``, in the buffer's item size."""
+    import torch
+
+    slots = tensor.shape[0]
+    per_slot = tensor[0].numel()
+    which = 1 if name.startswith("v.") else 0
+    codes = (which * slots + torch.arange(slots).view(-1, 1)) * per_slot + torch.arange(per_slot)
+    if tensor.element_size() == 1:
+        return (codes % 251).to(torch.uint8)
+    return (codes % 2**15).to(torch.int16)
+
+
+def register(port: int, cases: list[dict[str, Any]]) -> None:
+    """For each case a decode manager over a pool whose first region SGLang reports
+    ``extra_pages`` pages longer than its buffer: one JSON line, whether the manager
+    registered its regions with Mooncake or what refused them."""
+    server_args = _server_args("decode", port)
+    for case in cases:
+        pool = _pool(case.get("decode", {}))
+        _KEEP.append(pool)
+        result: dict[str, Any] = {"case": case["name"]}
+        try:
+            _KEEP.append(_manager(pool, "decode", server_args, 4, int(case["extra_pages"])))
+            result["registered"] = True
+        except Exception as refusal:
+            result["registered"] = False
+            result["refused"] = f"{type(refusal).__name__}: {refusal}"
+        result["events"] = _new_events()
+        print(json.dumps(result), flush=True)
+    os._exit(0)
+
+
+_CAPTURED: list[list[dict[str, Any]]] = []  # the list capture_events fills, when installed
+
+
+def _new_events() -> list[dict[str, Any]]:
+    """safeview's events since the last call (JSON-ready)."""
+    if not _CAPTURED:
+        return []
+    events = _CAPTURED[0]
+    taken = len(events)
+    found = [json.loads(json.dumps(event, default=str)) for event in events[:taken]]
+    del events[:taken]
+    return found
+
+
+def main() -> None:
+    role, port, cases = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    _stand_ins()
+    try:
+        if os.environ.get("SAFEVIEW_HARNESS_INSTALL") == "1":
+            import logging
+
+            import safeview.sglang
+            from safeview.testing import capture_events
+
+            # every event of the process, to the end (os._exit closes nothing); the context
+            # manager is kept, or its collection would end it
+            capture = capture_events(logging.INFO)
+            _KEEP.append(capture)
+            _CAPTURED.append(capture.__enter__())
+            safeview.sglang.install()
+        if role == "pools":
+            pools(cases)
+        if role == "register":
+            register(port, cases)
+        (prefill if role == "prefill" else decode)(port, cases)
+    except BaseException as error:
+        import traceback
+
+        traceback.print_exc()
+        print(json.dumps({"side": role, "error": f"{type(error).__name__}: {error}"}), flush=True)
+        sys.stdout.flush()
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    main()

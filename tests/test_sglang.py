@@ -1,0 +1,269 @@
+"""safeview with SGLang 0.5.23's prefill/decode over Mooncake TCP, on CPU (issue 39).
+
+SGLang's own managers run in processes (``tests/sglang_harness.py``): P writes through its pool,
+SGLang's sender moves the pages over Mooncake TCP, D reads its pool; every case is decided by
+the bytes D holds. These run where SGLang is installed (``.ci/run`` makes ``.venv-sglang`` for
+it); elsewhere they skip, saying what is missing. With ``SAFEVIEW_REQUIRE_SGLANG=1`` a missing
+SGLang or Mooncake is a failure instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HARNESS = Path(__file__).with_name("sglang_harness.py")
+PAGE_SIZE = 4  # the harness's
+
+
+def _missing() -> str | None:
+    for module, what in (("sglang", "SGLang 0.5.23"), ("mooncake", "Mooncake's transfer engine")):
+        if importlib.util.find_spec(module) is None:
+            return f"{what} is not installed here ({module!r}); .ci/run tests in .venv-sglang"
+    return None
+
+
+MISSING = _missing()
+if MISSING and os.environ.get("SAFEVIEW_REQUIRE_SGLANG") == "1":
+    raise ImportError(f"SAFEVIEW_REQUIRE_SGLANG=1: {MISSING}")  # fails the run, as it must in CI
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+# P bf16, 4 KV heads of 16; D as each case says. P sends its pages 1 and 2 into D's 3 and 5.
+CASES: list[dict[str, Any]] = [
+    {"name": "equal", "decode": {}},
+    {"name": "fp8", "decode": {"dtype": "float8_e4m3fn"}},  # sglang#19398
+    {"name": "heads", "decode": {"heads": 2}},
+    {"name": "head_dim", "decode": {"head_dim": 32}},
+]
+for _case in CASES:
+    _case.update(prefill={}, src_pages=[1, 2], dst_pages=[3, 5])
+# equal layouts, but D names a page past its pool (17 pages): P's descriptor runs past D's pages
+CASES.append(
+    {"name": "past_page", "prefill": {}, "decode": {}, "src_pages": [1, 2], "dst_pages": [3, 40]}
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _run(role: str, port: int, cases: list[dict[str, Any]], env: dict[str, str]) -> list[Any]:
+    """One harness process; its JSON lines (a failure shows its stderr)."""
+    done = subprocess.run(
+        [sys.executable, str(HARNESS), role, str(port), json.dumps(cases)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    failed = done.returncode != 0 or any("error" in line for line in lines)
+    assert not failed, (done.returncode, lines, done.stderr[-4000:])
+    return lines
+
+
+def _pair(
+    cases: list[dict[str, Any]], prefill_env: dict[str, str], decode_env: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A P and a D process through ``cases``: per case name, P's line and D's line, and every
+    safeview event of each side in order (``"events"``)."""
+    port = _free_port()
+    with ThreadPoolExecutor(2) as pool:
+        prefill = pool.submit(_run, "prefill", port, cases, prefill_env)
+        decode = pool.submit(_run, "decode", port, cases, decode_env)
+        sides = prefill.result(), decode.result()
+    found: list[dict[str, Any]] = []
+    for lines in sides:
+        by_case: dict[str, Any] = {"events": []}
+        for line in lines:
+            by_case["events"] += line.pop("events", [])
+            if "case" in line:
+                by_case[line["case"]] = line
+        found.append(by_case)
+    return found[0], found[1]
+
+
+def _installed(policy: str) -> dict[str, str]:
+    return {"SAFEVIEW_HARNESS_INSTALL": "1", "SAFEVIEW_BOUNDS_POLICY": policy}
+
+
+ALONE = {"SAFEVIEW_HARNESS_INSTALL": "0"}
+
+
+def test_strict_passes_equal_layouts_byte_for_byte_and_refuses_the_others_before_a_byte_moves() -> (
+    None
+):
+    prefill, decode = _pair(CASES, _installed("strict"), _installed("strict"))
+    # equal layouts: SGLang's sender moved P's pages, and D's pool holds them byte for byte
+    assert prefill["equal"]["state"] == decode["equal"]["state"] == "Success"
+    assert decode["equal"]["received"] == prefill["equal"]["sent"]
+    assert decode["equal"]["nonzero_bytes"] > 0
+    # each other layout passes SGLang's own checks and is refused by safeview at P, naming the
+    # layer and what differs; not one byte lands in D's pool
+    expected = {
+        "fp8": ("layers.0", "the receiver reads float8_e4m3fn, the sender wrote bfloat16"),
+        "heads": ("layers.0", "the sender's page is 1,024 bytes, the receiver's 512"),
+        "head_dim": ("layers.0", "receiver page byte 32 reads K token 0 head 0 element 16"),
+    }
+    for name, (layer, words) in expected.items():
+        assert prefill[name]["state"] == "Failed", name
+        assert words in prefill[name]["reason"], name
+        assert layer in prefill[name]["reason"], name
+        assert prefill[name]["reason"].count("safeview:") == 1
+        assert decode[name]["state"] == "Failed", name
+        assert decode[name]["nonzero_bytes"] == 0, name
+    refused = [e for e in prefill["events"] if e["event"] == "layout_mismatch"]
+    assert [e["action"] for e in refused] == ["refused"] * 3
+    assert [e["against"] for e in refused] == ["handshake"] * 3
+    # D's registration was checked before Mooncake registered it, and D sent its manifest
+    assert [e["verdict"] for e in prefill["events"] if e["event"] == "layout_checked"] == [
+        "compatible",
+        "compatible",
+    ]
+    # a descriptor past D's pages is refused before Mooncake runs the batch: nothing lands,
+    # not even the rows of D's page 3, which lies inside its pool
+    assert prefill["past_page"]["state"] == decode["past_page"]["state"] == "Failed"
+    assert decode["past_page"]["nonzero_bytes"] == 0
+    past = [e for e in prefill["events"] if e["event"] == "address_violation"]
+    assert past, prefill["events"]
+    assert past[0]["layer"] is None or past[0]["layer"].startswith("layers."), past[0]
+    assert not [e for e in decode["events"] if e["event"] == "address_violation"]
+
+
+def test_warn_goes_on_as_sglang_alone_with_an_event_and_a_side_without_safeview_ignores_it() -> (
+    None
+):
+    cases = [*CASES[:3], CASES[4]]  # equal, fp8, heads, past_page
+    with ThreadPoolExecutor(3) as pool:
+        warned = pool.submit(_pair, cases, _installed("warn"), _installed("warn"))
+        # SGLang alone on P, which gets D's manifest frame and reads past it
+        alone = pool.submit(_pair, cases, ALONE, _installed("strict"))
+        # a strict P and SGLang alone on D, which sends no manifest: nothing to judge
+        unjudged = pool.submit(_pair, cases, _installed("strict"), ALONE)
+        (warn_prefill, warn_decode), (alone_prefill, alone_decode) = (
+            warned.result(),
+            alone.result(),
+        )
+        strict_prefill, plain_decode = unjudged.result()
+    for case in cases:
+        name = str(case["name"])
+        assert warn_prefill[name]["state"] == alone_prefill[name]["state"], name
+        # which rows of a batch with a row past D's pool land before Mooncake gives up varies
+        # from run to run: that case is compared by its outcome only
+        keys = ("state",) if name == "past_page" else ("state", "received", "nonzero_bytes")
+        for key in keys:
+            assert warn_decode[name][key] == alone_decode[name][key], (name, key)
+    assert [alone_prefill[str(case["name"])]["state"] for case in cases[:3]] == ["Success"] * 3
+    assert alone_prefill["past_page"]["state"] == "Failed"  # Mooncake refuses the row, late
+    violations = [e for e in warn_prefill["events"] if e["event"] == "address_violation"]
+    assert violations, warn_prefill["events"]
+    assert {e["policy"] for e in violations} == {"warn"}
+    # SGLang alone moves P's pages into the fp8 and half-head pools too: bytes land in D's pool,
+    # past the pages D asked for (its pages 3 and 5 stay empty)
+    assert alone_decode["heads"]["nonzero_bytes"] > 0
+    assert set("".join(alone_decode["heads"]["received"])) == {"0"}
+    mismatches = [e for e in warn_prefill["events"] if e["event"] == "layout_mismatch"]
+    assert [(e["action"], e["layer"]) for e in mismatches] == [("none", "layers.0")] * 2
+    assert alone_prefill["events"] == []
+    for case in cases[:3]:
+        name = str(case["name"])
+        assert strict_prefill[name]["state"] == alone_prefill[name]["state"], name
+        assert plain_decode[name]["received"] == alone_decode[name]["received"], name
+    assert strict_prefill["past_page"]["state"] == "Failed"
+    verdicts = [e for e in strict_prefill["events"] if e["event"] == "layout_checked"]
+    assert [e["verdict"] for e in verdicts] == ["not_judged"] * 4
+    assert verdicts[0]["reason"] == "the decode peer sent no manifest (no safeview there)"
+
+
+def _decode_page_bytes(document: dict[str, Any]) -> list[str]:
+    """For every meaning the manifest gives each layer's page (K or V, token, head, element),
+    whether the storage holds that element's code there: the mismatches, by name."""
+    manifest = json.loads(document["manifest"])
+    storages = document["storages"]
+    wrong = []
+    for layer_name, layer in manifest["layers"].items():
+        axes = {axis["axis"]: axis for axis in layer["axes"]}
+        itemsize = layer["itemsize"]
+        index = int(layer_name.split(".")[1])
+        which = layer_name.split(".")[2] if layer_name.count(".") == 2 else None
+        key = f"kv.{index}" if "kv.0" in storages else f"{which or 'k'}.{index}"
+        storage = bytes.fromhex(storages[key]["hex"])
+        per_slot = 1
+        for name in ("head", "element"):
+            per_slot *= axes[name]["size"] if name in axes else 1
+        slots = layer["num_blocks"] * PAGE_SIZE
+        kvs = range(axes["kv"]["size"]) if "kv" in axes else [None]
+        for block in (1, layer["num_blocks"] - 1):
+            for kv in kvs:
+                for token in range(axes["token"]["size"]):
+                    for head in range(axes["head"]["size"] if "head" in axes else 1):
+                        for element in range(axes["element"]["size"]):
+                            at = layer["byte_offset"] + block * layer["block_stride_bytes"]
+                            at += (kv or 0) * (axes["kv"]["stride_bytes"] if kv else 0)
+                            at += token * axes["token"]["stride_bytes"]
+                            at += head * axes["head"]["stride_bytes"] if "head" in axes else 0
+                            at += element * axes["element"]["stride_bytes"]
+                            buffer = 1 if (kv == 1 or which == "v") else 0
+                            slot = block * PAGE_SIZE + token
+                            code = (
+                                (buffer * slots + slot) * per_slot
+                                + head * (axes["element"]["size"])
+                                + element
+                            )
+                            if itemsize == 1:
+                                expected = (code % 251).to_bytes(1, "little")
+                            else:
+                                expected = (code % 2**15).to_bytes(2, "little")
+                            if storage[at : at + itemsize] != expected:
+                                wrong.append(f"{layer_name} block {block} kv {kv} t {token}")
+    return wrong
+
+
+def test_describe_pool_reads_sglangs_own_pools_off_their_strides_checked_against_bytes() -> None:
+    cases: list[dict[str, Any]] = [
+        {"kind": "mha"},
+        {"kind": "mha", "v_head_dim": 8},
+        {"kind": "mla", "latent": 24},
+        {"kind": "mha", "dtype": "float8_e4m3fn"},
+    ]
+    documents = _run("pools", 0, cases, {})
+    assert len(documents) == len(cases)
+    fused, apart, latent, fp8 = (json.loads(d["manifest"]) for d in documents)
+    # K and V of one layer lie in one allocation: one attention layer, K and V its outer axis
+    assert sorted(fused["layers"]) == ["layers.0", "layers.1"]
+    assert fused["layers"]["layers.0"]["kind"] == "attention"
+    assert fused["layers"]["layers.0"]["heads"] == [0, 1, 2, 3]
+    assert fused["topology"]["kernel_block_tokens"] == PAGE_SIZE
+    # V's head size differs: K and V are two allocations, two layers
+    assert sorted(apart["layers"]) == ["layers.0.k", "layers.0.v", "layers.1.k", "layers.1.v"]
+    assert latent["layers"]["layers.0"]["kind"] == "latent"
+    assert fp8["layers"]["layers.0"]["dtype"] == "float8_e4m3fn"  # stored as uint8
+    for document in documents:
+        assert _decode_page_bytes(document) == [], document["case"]
+
+
+@pytest.mark.parametrize("policy", ["strict", "warn"])
+def test_a_region_past_its_buffer_is_refused_before_mooncake_registers_it(policy: str) -> None:
+    cases = [{"name": "whole", "extra_pages": 0}, {"name": "one page past", "extra_pages": 1}]
+    whole, past = _run("register", _free_port(), cases, _installed(policy))
+    assert whole["registered"]
+    assert not [e for e in whole["events"] if "violation" in e["event"]]
+    violations = [e for e in past["events"] if e["event"] == "address_violation"]
+    assert [v["layer"] for v in violations] == ["layers.0.k"], past["events"]
+    if policy == "strict":
+        assert not past["registered"]
+        assert past["refused"].startswith("AddressError")
+        assert "layers.0.k" in past["refused"]
+    else:  # warn: SGLang registers it, as it would alone
+        assert past["registered"]
