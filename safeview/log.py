@@ -356,6 +356,31 @@ def coverage_violation(finding: Finding, *, strict: bool, policy: str, source: s
     )
 
 
+def canonical_mismatch(finding: Any, *, strict: bool, policy: str, source: str) -> None:
+    """``canonical_mismatch`` (ERROR under strict, WARNING under warn): vLLM's offloading with
+    ``canonical_layout`` would copy a layer's page into its canonical page otherwise than the
+    layer's strides place its bytes (``safeview.vllm._canonical``)."""
+    level = _levels(strict)
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    _emit(
+        level,
+        {
+            "event": "canonical_mismatch",
+            "source": source,
+            "kind": finding.kind,
+            "layer": finding.layer,
+            "byte": finding.byte,
+            "vllm_canonical_byte": finding.vllm_canonical_byte,
+            "manifest_canonical_byte": finding.manifest_canonical_byte,
+            "bytes_wrong": finding.count,
+            "policy": policy,
+            "message": finding.message,
+            "action": "refused" if strict else "none",
+        },
+    )
+
+
 def engine_failed(
     event: Literal["registration_failed", "transfer_failed"],
     *,

@@ -363,7 +363,9 @@ def test_vllm_leaves_opaque_what_its_rules_cannot_certify_and_safeview_reads_by_
 ROW_BYTES = 2 * HEAD_SIZE * 4  # a latent row of the MLA cache above, float32
 
 
-def nixl_case(p_dcp: int, d_dcp: int, p_interleave: int, d_interleave: int) -> None:
+def nixl_case(
+    p_dcp: int, d_dcp: int, p_interleave: int, d_interleave: int, *, plugin: bool = False
+) -> None:
     """P (TP = DCP = ``p_dcp``) into D (TP = DCP = ``d_dcp``), MLA, 16-token blocks, under
     vLLM's own source ranks (``TransferTopology.dcp_source_ranks``) and block pairing
     (``NixlBaseConnectorWorker._apply_dcp_prefix_caching``, no prefix cached), each side's
@@ -398,14 +400,11 @@ def nixl_case(p_dcp: int, d_dcp: int, p_interleave: int, d_interleave: int) -> N
 
     senders = [manifest(p_dcp, p_interleave, r) for r in range(p_dcp)]
     for d in range(d_dcp):
-        if p_dcp > 1:
-            topology = TransferTopology(
-                tp_rank=d, tp_size=d_dcp, block_size=block, engine_id="d", is_mla=True,
-                is_mamba=False, total_num_kv_heads=1, attn_backends=[], dcp_size=d_dcp,
-            )  # fmt: skip
-            sources = topology.dcp_source_ranks(p_dcp, p_dcp)
-        else:
-            sources = [0]
+        topology = TransferTopology(
+            tp_rank=d, tp_size=d_dcp, block_size=block, engine_id="d", is_mla=True,
+            is_mamba=False, total_num_kv_heads=1, attn_backends=[], dcp_size=d_dcp,
+        )  # fmt: skip
+        sources = topology.dcp_source_ranks(p_dcp, p_dcp) if p_dcp > 1 else [0]
         wrong: list[int] = []
         for source in sources:
             local, remote = NixlBaseConnectorWorker._apply_dcp_prefix_caching(
@@ -417,8 +416,12 @@ def nixl_case(p_dcp: int, d_dcp: int, p_interleave: int, d_interleave: int) -> N
                 want = held(d_dcp, d_interleave, d, mine)
                 got = held(p_dcp, p_interleave, source, theirs)
                 wrong += [s * ROW_BYTES for s in range(block) if want[s] != got[s]]
-        report = diff(senders, manifest(d_dcp, d_interleave, d), rule="vllm_nixl")
+        receiver = manifest(d_dcp, d_interleave, d)
         label = f"P DCP {p_dcp} I{p_interleave} -> D DCP {d_dcp} I{d_interleave}, D rank {d}"
+        if plugin:
+            plugin_verdict(senders, receiver, topology, p_dcp, d_dcp, wrong, label)
+            continue
+        report = diff(senders, receiver, rule="vllm_nixl")
         assert report.compatible == (not wrong), (label, report.findings, wrong[:3])
         if wrong:
             finding = report.findings[0]
@@ -426,11 +429,63 @@ def nixl_case(p_dcp: int, d_dcp: int, p_interleave: int, d_interleave: int) -> N
             assert finding.byte in wrong, (label, finding.message)
 
 
+def plugin_verdict(
+    senders: list[Any], receiver: Any, topology: Any, p_dcp: int, d_dcp: int, wrong: list[int],
+    label: str,
+) -> None:  # fmt: skip
+    """The plugin's handshake judge of D (a worker holding vLLM's own ``TransferTopology``,
+    which says which P ranks D reads) against P's handshake manifests: refused under strict
+    exactly when vLLM's pairing reads a wrong token, naming a byte it reads wrong."""
+    from safeview.manifest.wire import to_wire
+    from safeview.policy import Policy
+    from safeview.testing import capture_events
+    from safeview.vllm._layout import WorkerLayout
+
+    worker = SimpleNamespace(use_mla=True, dcp_size=d_dcp, pcp_size=1, transfer_topo=topology)
+    layout = WorkerLayout(worker, receiver, None, Policy.STRICT)
+    assert layout.not_judged() is None
+    # P's ranks as its handshakes bring them (the side channel's, at hand in this thread)
+    layout.handshake.context = {"manifests": dict(enumerate(senders)), "host": "p", "port": 0}
+    with capture_events() as events:
+        verdict = layout.judge_handshake_wire(
+            SimpleNamespace(engine_id="p"), to_wire(senders[0]), 0, p_dcp, p_dcp
+        )
+    [event] = [e for e in events if e["event"].startswith("layout_")]
+    assert event["verdict"] != "not_judged", (label, event.get("reason"))
+    assert (verdict is None) == (not wrong), (label, verdict, wrong[:3])
+    if wrong:
+        assert (event["event"], event["kind"], event["action"]) == (
+            "layout_mismatch", "byte", "refused"
+        ), label  # fmt: skip
+        assert event["byte"] in wrong, (label, event["message"])
+
+
 @pytest.mark.parametrize(("p_dcp", "d_dcp"), [(1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 4),
                                          (4, 2), (2, 2), (4, 4)])  # fmt: skip
 def test_nixl_dcp_verdicts_agree_with_vllms_own_pairing(p_dcp: int, d_dcp: int) -> None:
     for p_interleave, d_interleave in itertools.product((1, 4, 16), (1, 4, 16)):
         nixl_case(p_dcp, d_dcp, p_interleave, d_interleave)
+
+
+@pytest.mark.parametrize(("p_dcp", "d_dcp"), [(1, 2), (2, 1), (2, 4), (4, 2), (2, 2), (4, 4)])
+def test_the_plugins_handshake_judge_refuses_exactly_the_dcp_pairs_vllm_reads_wrong(
+    p_dcp: int, d_dcp: int
+) -> None:
+    for p_interleave, d_interleave in itertools.product((1, 16), (1, 16)):
+        nixl_case(p_dcp, d_dcp, p_interleave, d_interleave, plugin=True)
+
+
+def test_attention_under_context_parallelism_stays_with_vllm() -> None:
+    from safeview.policy import Policy
+    from safeview.vllm._layout import WorkerLayout
+
+    cache = torch.zeros(4, 2, 16, 4)
+    d = describe({"attn": cache}, axes=("block", "head", "token", "kv|element"),
+                 topology={"tp_size": 2, "total_kv_heads": 4, "dcp_size": 2})  # fmt: skip
+    worker = SimpleNamespace(use_mla=False, dcp_size=2, pcp_size=1)
+    reason = WorkerLayout(worker, d, None, Policy.STRICT).not_judged()
+    assert reason is not None
+    assert "not MLA" in reason
 
 
 # -- the plugin reads context parallelism and the stage from vLLM's config ---------------------

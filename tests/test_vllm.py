@@ -505,3 +505,206 @@ def test_under_warn_a_layer_sharing_another_layers_cache_changes_nothing_but_the
     assert events[0]["views"][0].startswith(f"{first}: ")
     assert all(e["policy"] == "warn" and e["level"] == "warning" for e in events)
     assert all(any(view.startswith(f"{second}: ") for view in e["views"]) for e in events)
+
+
+# -- offloading with canonical_layout: vLLM's canonical page mapping against the strides ------
+
+CANONICAL = "HarnessCanonicalOffloadingConnector"
+MLA_LAYER = "model.layers.0.self_attn.attn"
+
+
+def _ranked(built: Any, *, tp: int, dcp: int, rank: int, total_kv_heads: int) -> Any:
+    """``built`` as rank ``rank`` of a TP ``tp`` x DCP ``dcp`` engine sees it: vLLM's real
+    ``ParallelConfig`` (what ``derive_canonical_mappings`` reads) and the model's KV heads."""
+    from vllm.config import ParallelConfig  # type: ignore[import-not-found,unused-ignore]
+
+    built.vllm_config.parallel_config = ParallelConfig(
+        tensor_parallel_size=tp, decode_context_parallel_size=dcp, rank=rank
+    )
+    built.vllm_config.model_config.get_total_num_kv_heads = lambda: total_kv_heads
+    return built
+
+
+def _certified(run: Any) -> int:
+    """The refs the worker handed on with a mapping vLLM certified (not its opaque fallback)."""
+    refs = [ref for group in run.canonical.group_data_refs for ref in group]
+    assert all(ref.mapping is not None for ref in refs)  # canonical_layout: a mapping on each
+    return sum(
+        ref.mapping.parallelism_agnostic or len(ref.mapping.runs) > 1 for ref in refs
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "tp", "dcp", "heads"),
+    [
+        ("full_attention_lbnhc", 1, 1, 4),  # NHD pages, one rank
+        ("full_attention_lbnhc", 2, 1, 8),  # rank 1 of TP 2: heads 4-7 of 8
+        ("mla", 2, 2, 1),  # rank 1 of DCP 2: tokens 1, 3, 5, ... of each 32
+    ],
+)
+def test_a_good_engine_with_canonical_layout_starts_and_each_certified_layer_was_compared(
+    plugin: list[dict[str, Any]], case: str, tp: int, dcp: int, heads: int
+) -> None:
+    built = _ranked(harness.build(case, "cpu"), tp=tp, dcp=dcp, rank=tp - 1,
+                    total_kv_heads=heads)  # fmt: skip
+    run = harness.run_via_connector(built, connector=CANONICAL)
+    assert run.error is None
+    assert _certified(run) == len(built.kv_caches)  # every layer certified: every one compared
+    kinds = {e["event"] for e in plugin}
+    assert "registration_checked" in kinds
+    assert not kinds & {"canonical_mismatch", "internal_error", "integration_unavailable"}
+
+
+def test_an_mla_cache_vllm_certifies_without_reading_its_strides_is_refused_at_start_up(
+    plugin: list[dict[str, Any]],
+) -> None:
+    """vLLM 0.33 certifies an MLA page from its spec alone (token rows of ``page // block``
+    bytes); a kernel that keeps its pages element-major (same shape and bytes, other strides)
+    has its tokens elsewhere. Rank 1 of DCP 2, interleave 1: local byte 0 is element 0 of local
+    token 0, global token 1; vLLM copies it as token 1's row (canonical byte 1 x 128), the
+    strides put it at element 0 of token 1 in the element-major canonical page (byte 2)."""
+    from safeview.vllm._canonical import CanonicalMismatchError
+
+    built = _ranked(harness.build("mla", "cpu", element_major=True), tp=2, dcp=2, rank=1,
+                    total_kv_heads=1)  # fmt: skip
+    harness.RECEIVED.clear()
+    with pytest.raises(CanonicalMismatchError) as caught:
+        harness.run_via_connector(built, connector=CANONICAL)
+    assert harness.RECEIVED == []  # the worker never handed a mapping on
+    error = caught.value
+    assert isinstance(error, safeview.SafeViewError)
+    assert (error.layer, error.byte) == (MLA_LAYER, 0)
+    assert (error.vllm_canonical_byte, error.manifest_canonical_byte) == (128, 2)
+    assert f"layers['{MLA_LAYER}']" in str(error)
+    assert "local page byte 0 goes to canonical byte 128" in str(error)
+    assert "canonical byte 2" in str(error)
+    events = [e for e in plugin if e["event"] == "canonical_mismatch"]
+    assert [e["layer"] for e in events] == list(built.kv_caches)  # both layers, by name
+    assert events[0]["level"] == "error"
+    assert events[0]["action"] == "refused"
+    assert events[0]["bytes_wrong"] == 2016  # of 2,048: 32 where both readings meet
+
+
+def test_under_warn_the_mismatch_is_an_event_and_the_worker_runs(
+    plugin: list[dict[str, Any]],
+) -> None:
+    built = _ranked(harness.build("mla", "cpu", element_major=True), tp=2, dcp=2, rank=1,
+                    total_kv_heads=1)  # fmt: skip
+    with safeview.policy_scope("warn"):
+        run = harness.run_via_connector(built, connector=CANONICAL)
+    assert run.error is None
+    assert run.canonical is not None  # the worker went on, as it would have alone
+    [first, _] = [e for e in plugin if e["event"] == "canonical_mismatch"]
+    assert (first["level"], first["action"], first["kind"]) == ("warning", "none", "byte")
+    assert (first["byte"], first["vllm_canonical_byte"], first["manifest_canonical_byte"]) == (
+        0, 128, 2
+    )  # fmt: skip
+    from test_readme import ALWAYS, _documented_keys
+
+    assert set(first) - ALWAYS <= _documented_keys()["canonical_mismatch"]
+    assert {"layer", "byte", "vllm_canonical_byte", "manifest_canonical_byte"} <= set(first)
+
+
+def test_without_canonical_layout_or_on_one_rank_the_same_pages_are_not_a_finding(
+    plugin: list[dict[str, Any]],
+) -> None:
+    # without canonical_layout the worker copies pages as they are: nothing to compare
+    ranked = _ranked(harness.build("mla", "cpu", element_major=True), tp=2, dcp=2, rank=1,
+                     total_kv_heads=1)  # fmt: skip
+    assert harness.run_via_connector(ranked).error is None
+    # one rank, no context parallelism: the canonical page is the page, in any order
+    alone = harness.build("mla", "cpu", element_major=True)
+    assert harness.run_via_connector(alone, connector=CANONICAL).error is None
+    assert not [e for e in plugin if e["event"] in ("canonical_mismatch", "internal_error")]
+
+
+def test_safeviews_own_failure_in_the_canonical_check_never_stops_a_healthy_engine(
+    plugin: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safeview.manifest import canonical
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("safeview's own bug")
+
+    monkeypatch.setattr(canonical, "canonical_bytes", broken)  # stands in for a bug of ours
+    built = _ranked(harness.build("mla", "cpu"), tp=2, dcp=2, rank=1, total_kv_heads=1)
+    run = harness.run_via_connector(built, connector=CANONICAL)
+    assert run.error is None
+    [event] = [e for e in plugin if e["event"] == "internal_error"]
+    assert event["where"] == "vllm offloading canonical layout"
+    assert "safeview's own bug" in event["error"]
+
+
+def test_each_way_a_mapping_can_disagree_is_named() -> None:
+    """vLLM's own mapping of a good engine (rank 1 of TP 2 x DCP 2, MLA), changed one way at a
+    time: a run shifted, a run copied twice, a run past the page, another writer count."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (  # type: ignore[import-not-found,unused-ignore]
+        derive_canonical_mappings,
+    )
+
+    from safeview.vllm._canonical import canonical_findings
+
+    built = _ranked(harness.build("mla", "cpu"), tp=4, dcp=2, rank=1, total_kv_heads=1)
+    mappings = derive_canonical_mappings(built.vllm_config, built.kv_cache_config,
+                                         built.kv_caches)  # fmt: skip
+    good = mappings[MLA_LAYER]
+
+    def judged(**change: Any) -> Any:
+        bad = {**mappings, MLA_LAYER: dataclasses.replace(good, **change)}
+        found = canonical_findings(bad, built.kv_caches, built.kv_cache_config, built.vllm_config)
+        return {f.layer: f for f in found}.get(MLA_LAYER)
+
+    assert judged() is None
+    run = good.runs[1]
+    shifted = dataclasses.replace(run, canonical_offset=run.canonical_offset + 2)
+    finding = judged(runs=(good.runs[0], shifted, *good.runs[2:]))
+    assert (finding.kind, finding.byte) == ("byte", run.local_offset)
+    assert finding.vllm_canonical_byte == finding.manifest_canonical_byte + 2
+    assert judged(runs=(*good.runs, good.runs[0])).kind == "tiling"  # copied twice
+    past = dataclasses.replace(run, local_offset=good.local_page_size_bytes)
+    assert judged(runs=(good.runs[0], past, *good.runs[2:])).kind == "outside"
+    assert judged(canonical_page_size_bytes=good.canonical_page_size_bytes * 2).kind == "outside"
+    writers = judged(num_writers=good.num_writers + 1)  # TP 4 / DCP 2: two ranks hold these
+    assert writers.kind == "tiling"
+    assert "ranks [1, 3]" in writers.message
+
+
+def test_pages_with_k_and_v_in_halves_are_compared_too() -> None:
+    """vLLM's canonical mapping also certifies ``[B, 2, N, H, D]`` caches (K and V in page
+    halves): rank 1 of TP 2, NHD, 4 of 8 heads, compared through the same check."""
+    import dataclasses
+    import types
+
+    from vllm.config import ParallelConfig  # type: ignore[import-not-found,unused-ignore]
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (  # type: ignore[import-not-found,unused-ignore]
+        derive_canonical_mappings,
+    )
+    from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found,unused-ignore]
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    from safeview.vllm._canonical import canonical_findings
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=8, dtype=torch.float16)
+    config = KVCacheConfig(num_blocks=2, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)])  # fmt: skip
+    vllm_config = types.SimpleNamespace(
+        parallel_config=ParallelConfig(tensor_parallel_size=2, rank=1),
+        model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: 8),
+        cache_config=types.SimpleNamespace(kv_cache_layout="LBNHC"),
+    )
+    caches = {"attn": torch.zeros(2, 2, 16, 4, 8, dtype=torch.float16)}
+    mappings = derive_canonical_mappings(vllm_config, config, caches)
+    assert len(mappings["attn"].runs) > 1  # certified: K and V, token rows at heads 4-7
+    assert canonical_findings(mappings, caches, config, vllm_config) == []
+    first = mappings["attn"].runs[0]
+    moved = dataclasses.replace(first, canonical_offset=first.canonical_offset + 16)
+    bad = {"attn": dataclasses.replace(mappings["attn"], runs=(moved, *mappings["attn"].runs[1:]))}
+    [finding] = canonical_findings(bad, caches, config, vllm_config)
+    assert (finding.kind, finding.layer, finding.byte) == ("byte", "attn", first.local_offset)
+    assert finding.manifest_canonical_byte is not None
+    assert finding.vllm_canonical_byte == finding.manifest_canonical_byte + 16

@@ -509,3 +509,89 @@ def test_layers_of_other_head_counts_keep_their_manifest_and_are_judged(
 
 def _index(result: dict[str, Any]) -> str:
     return Path(result["manifest_files"]["P"][0]).parts[0].split("-")[0]
+
+
+# -- a request's tp_size (its kv_transfer_params) against P's own (vllm#47764) ------------------
+
+
+def _request_judge(policy: str) -> tuple[Any, Any, str]:
+    """A D worker's ``WorkerLayout`` that has judged P (engine ``p``, TP 2) at the handshake,
+    P's rank 0 manifest, and that manifest's request token."""
+    import torch
+
+    from safeview.manifest import describe
+    from safeview.manifest.wire import request_token
+    from safeview.policy import Policy
+    from safeview.vllm._layout import WorkerLayout, _Peer
+
+    def manifest(engine: str, rank: int, size: int) -> Any:
+        cache = torch.zeros(4, 2, 16, 8, dtype=torch.float16, device="meta")
+        topology = {"tp_rank": rank, "tp_size": size, "total_kv_heads": 4, "engine": engine,
+                    "connector": "NixlConnector", "layout": "LBHNC"}  # fmt: skip
+        return describe({LAYER_0: cache}, axes=("block", "head", "token", "kv|element"),
+                        topology=topology)  # fmt: skip
+
+    p0 = manifest("p", 0, 2)
+    layout = WorkerLayout(object(), manifest("d", 0, 1), None, Policy(policy))
+    layout.peers["p"] = _Peer({0: p0, 1: manifest("p", 1, 2)}, [0, 1])  # as the handshake left
+    return layout, p0, request_token(p0)
+
+
+def _request(tp_size: Any) -> Any:
+    """vLLM 0.33's own ``ReqMeta`` for a request whose ``kv_transfer_params`` say ``tp_size``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+    metadata = NixlConnectorMetadata()
+    params = {"remote_block_ids": [[1]], "remote_engine_id": "p", "remote_request_id": "r",
+              "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": tp_size}  # fmt: skip
+    metadata.add_new_req_to_recv("r", ([4],), params)
+    return metadata.reqs_to_recv["r"]
+
+
+def test_a_request_whose_tp_size_is_not_ps_fails_under_strict_and_the_next_right_one_passes() -> (
+    None
+):
+    from safeview.errors import ManifestError
+    from safeview.testing import capture_events
+
+    layout, _, token = _request_judge("strict")
+    with capture_events() as events:
+        assert layout.check_request("good", token, _request(2)) is None
+        refused = layout.check_request("proxy-default", token, _request(1))  # vllm#47764
+        again = layout.check_request("proxy-default-2", token, _request(1))
+        assert layout.check_request("good-2", token, _request(2)) is None  # D went on
+    assert isinstance(refused, ManifestError)
+    assert again is refused  # one judgement per token and claimed size
+    assert refused.field == "P p: request proxy-default kv_transfer_params['tp_size']"
+    assert refused.value == 1
+    assert "is not P's TP size 2" in str(refused)
+    assert "pages would be placed for TP 1" in str(refused)
+    [event] = [e for e in events if e["event"].startswith("layout_")]
+    assert (event["verdict"], event["against"], event["when"]) == ("not_judged", "request",
+                                                                   "request")  # fmt: skip
+    assert "kv_transfer_params['tp_size']" in event["reason"]
+    assert event["remote_tp_size"] == 2
+
+
+def test_under_warn_a_wrong_request_tp_size_is_an_event_and_the_read_goes_on() -> None:
+    from safeview.testing import capture_events
+
+    layout, _, token = _request_judge("warn")
+    with capture_events() as events:
+        assert layout.check_request("a", token, _request(8)) is None
+        assert layout.check_request("b", token, _request(8)) is None
+    [event] = [e for e in events if e["event"].startswith("layout_")]
+    assert "kv_transfer_params['tp_size'] is 8" in event["reason"]
+
+
+def test_the_request_check_stays_one_lookup_and_one_compare() -> None:
+    import time
+
+    layout, _, token = _request_judge("strict")
+    meta = _request(2)
+    assert layout.check_request("warm", token, meta) is None
+    calls = 20000
+    started = time.perf_counter()
+    for _ in range(calls):
+        layout.check_request("cost", token, meta)
+    assert (time.perf_counter() - started) / calls < 10e-6

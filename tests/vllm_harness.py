@@ -121,6 +121,7 @@ FAULTS: tuple[str, ...] = (
     "num_blocks_plus_one",
     "kernel_stride_as_manager",
     "alias_two_layers",
+    "element_major",
 )
 
 # vLLM's own offloading worker test (tests/v1/kv_connector/unit/offloading_connector/
@@ -427,6 +428,13 @@ def _plan_case(case: str, num_blocks: int) -> tuple[Any, Any, str, list[int]]:
         }
         vllm_config, config = _planned(specs, "LBNHC", num_blocks, _T_NUM_KV_HEADS)
         return vllm_config, config, "LBNHC", [_T_BLOCK_SIZE] * len(config.kv_cache_groups)
+    if case == "mla":  # not in CASES: the canonical_layout tests build it
+        spec = MLAAttentionSpec(
+            block_size=_T_BLOCK_SIZE, num_kv_heads=1, head_size=_T_HEAD_SIZE, dtype=_T_DTYPE
+        )
+        specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(2)}
+        vllm_config, config = _planned(specs, "LBNHC", num_blocks, 1)
+        return vllm_config, config, "LBNHC", [_T_BLOCK_SIZE]
     if case in ("vllm_test_worker", "vllm_test_worker_uniform"):
         if num_blocks != _T_NUM_BLOCKS:
             raise ValueError(f"{case} is vLLM's own test layout: {_T_NUM_BLOCKS} blocks only")
@@ -465,6 +473,10 @@ def build(case: str, device: str = "cpu", *, num_blocks: int | None = None, **fa
       manager block is expected (only for cases with kernel blocks, i.e. ``kernel_block_8``).
     - ``alias_two_layers``: the second layer of the first group with two layers or more is
       handed the first layer's cache tensor (two layers of one group on the same bytes).
+    - ``element_major``: every 4-d cache ``[B, H, N, C]`` is handed as the same bytes read
+      element-major within each block (``C`` the outer, ``N`` the inner axis: strides
+      ``(H*N*C, N*C, 1, N)`` for one head): a kernel that stores its pages that way. Shape,
+      storage and offset are unchanged.
     """
     unknown = set(fault) - set(FAULTS)
     if unknown:
@@ -509,6 +521,13 @@ def _inject(built: Built, fault_name: str) -> None:
         ]
         built.worker_kv_cache_config = dataclasses.replace(config, kv_cache_groups=groups)
         built.fault_note = "worker spec: num_kv_heads x 2 for every AttentionSpec"
+    elif fault_name == "element_major":
+        for name, cache in list(built.kv_caches.items()):
+            _, heads, tokens, row = cache.shape
+            built.kv_caches[name] = cache.as_strided(
+                cache.shape, (heads * tokens * row, tokens * row, 1, tokens)
+            )
+        built.fault_note = "every cache read element-major within its block"
     elif fault_name == "num_blocks_plus_one":
         built.worker_kv_cache_config = dataclasses.replace(config, num_blocks=config.num_blocks + 1)
         built.fault_note = (
@@ -844,6 +863,18 @@ class HarnessOffloadingConnector(OffloadingConnector):  # type: ignore[misc,unus
             raise ValueError("HarnessOffloadingConnector is worker-side only")
         spec: Any = RecordingSpec()
         self.connector_worker = OffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
+
+
+class HarnessCanonicalOffloadingConnector(HarnessOffloadingConnector):  # type: ignore[misc,unused-ignore]
+    """:class:`HarnessOffloadingConnector` configured as ``kv_connector_extra_config:
+    {"canonical_layout": true}`` makes it: its worker's spec says ``canonical_layout``, and the
+    worker puts ``derive_canonical_mappings``' mapping on every ref it hands on."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._canonical_layout = True
+        worker: Any = self.connector_worker
+        worker.spec.config.canonical_layout = True
 
 
 @dataclass

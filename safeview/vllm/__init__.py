@@ -29,6 +29,7 @@ from safeview.guard.sanitize import sanitize
 from safeview.kv import Registration, _Planned, _register, _report, check_tensors
 from safeview.policy import Policy, PolicyArg, current_policy
 from safeview.vllm import _layout as _vllm_layout
+from safeview.vllm._canonical import CanonicalMismatchError
 
 if TYPE_CHECKING:
     import torch
@@ -261,6 +262,11 @@ def _check_before_registration(connector: Any, kv_caches: Any, config: Any, acti
             check_offloading_coverage(
                 planned, lambda: _nixl_allocation(kv_caches, config), config, active
             )
+            # with canonical_layout: its canonical page mapping against the strides
+            from safeview.vllm._canonical import check_canonical
+
+            packed = any(r.strides[0] != r.shape[1] for r in planned.records)
+            check_canonical(connector, kv_caches, config, packed, active)
     else:
         # any other connector: the allocation it is handed (each layer in bounds, no two layers
         # of one group on the same bytes); its own views are judged as it makes them
@@ -287,7 +293,7 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
                 groups = _check_before_registration(connector, kv_caches, config, active)
             guard = sanitize(active, layers=kv_caches, groups=groups)
             process.learn_layers(kv_caches)  # raw addresses in them are judged (SAFEVIEW_GUARD)
-        except (BoundsError, OverlapError, CoverageError):
+        except (BoundsError, OverlapError, CoverageError, CanonicalMismatchError):
             raise  # a finding, under strict: the start-up stops with its numbers
         except Exception as error:  # safeview's own failure, or a vLLM it does not know
             _step_aside("register_kv_caches left unchecked", f"{type(error).__name__}: {error}")

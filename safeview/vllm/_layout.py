@@ -75,6 +75,7 @@ from safeview.manifest import (
 from safeview.manifest.diff import diff
 from safeview.manifest.peer import judge_peer
 from safeview.manifest.wire import (
+    check_transfer_params,
     from_wire,
     parse_request_token,
     request_token,
@@ -539,9 +540,25 @@ class WorkerLayout:
             worker, "_transfer_layer_region_indices", None
         ):
             return "pipeline-parallel transfer regions"
-        if getattr(worker, "dcp_size", 1) > 1 or getattr(worker, "pcp_size", 1) > 1:
-            return "decode or prefill context parallelism"
+        if (getattr(worker, "dcp_size", 1) > 1 or getattr(worker, "pcp_size", 1) > 1) and not (
+            self._mla()
+        ):
+            # vLLM 0.33 pairs context-parallel blocks for MLA only
+            return "decode or prefill context parallelism of attention (not MLA) layers"
         return None
+
+    def _mla(self) -> bool:
+        return bool(getattr(self.worker, "use_mla", False))
+
+    def _context_parallel(self, remote_dcp_size: int) -> bool:
+        """Whether a pair with a P of ``remote_dcp_size`` places tokens by context parallelism
+        on either side (an MLA pair: judged from P's manifests, which say P's placement)."""
+        worker = self.worker
+        return (
+            remote_dcp_size > 1
+            or getattr(worker, "dcp_size", 1) > 1
+            or getattr(worker, "pcp_size", 1) > 1
+        )
 
     def judge_handshake(
         self, metadata: Any, remote_tp_size: int, remote_dcp_size: int
@@ -582,7 +599,9 @@ class WorkerLayout:
             return judge_peer(self.manifest, None, against=None, fields=fields, reason=reason,
                               policy=self.policy)  # fmt: skip
         self.left_to_vllm.discard(remote)
-        senders, against, paths, note = self._senders(metadata, remote, remote_tp_size)
+        senders, against, paths, note = self._senders(
+            metadata, remote, remote_tp_size, self._context_parallel(remote_dcp_size)
+        )
         return judge_peer(self.manifest, senders, against=against,  # type: ignore[arg-type]
                           fields={**fields, "manifests": paths}, rule="vllm_nixl",
                           policy=self.policy, reason=note)  # fmt: skip
@@ -590,7 +609,7 @@ class WorkerLayout:
     def _reason_not_judged(self, metadata: Any, remote_dcp_size: int) -> str | None:
         """Why the pair with the P of ``metadata`` is left to vLLM, or ``None``."""
         reason = self.not_judged()
-        if reason is None and remote_dcp_size > 1:
+        if reason is None and remote_dcp_size > 1 and not self._mla():
             reason = "P shards its KV cache by decode context parallelism"
         backend = getattr(metadata, "attn_backend_name", None)
         if reason is None and backend not in (None, getattr(self.worker, "backend_name", backend)):
@@ -598,9 +617,10 @@ class WorkerLayout:
         return reason
 
     def _senders(
-        self, metadata: Any, remote: str, remote_tp_size: int
+        self, metadata: Any, remote: str, remote_tp_size: int, context_parallel: bool = False
     ) -> tuple[list[Manifest] | None, str | None, list[str], str | None]:
-        """P's manifests, where they came from, the files read, and a note."""
+        """P's manifests, where they came from, the files read, and a note. Under context
+        parallelism only P's own manifests say where its tokens lie: none from its metadata."""
         note = None
         if self.folder is not None:
             found = read_engine_manifests(self.folder, remote).get(remote, [])
@@ -621,6 +641,9 @@ class WorkerLayout:
                 )
         if getattr(self.worker, "_has_mamba", False):
             return None, "nixl_metadata", [], "Mamba state regions: P's manifests are needed"
+        if context_parallel:
+            why = "context parallelism: P's manifests (its token placement) are needed"
+            return None, "nixl_metadata", [], why
         try:
             return rebuild(metadata, remote_tp_size, self.manifest), "nixl_metadata", [], note
         except _NotJudgedError as why:
@@ -733,19 +756,58 @@ class WorkerLayout:
         """Before D issues the READ of ``request`` from P (``meta.remote``): the request's
         ``token`` names a manifest of P's that D has judged, or it is judged now from P's
         current handshake (P restarted behind the same engine id and address: vLLM 0.33 does
-        not handshake again). The error to fail the request with under strict, if any."""
+        not handshake again). The error to fail the request with under strict, if any.
+
+        The request's ``tp_size`` (from its ``kv_transfer_params``: the P TP size D maps its
+        ranks by) must be the one P's token says (``check_transfer_params``, vllm#47764)."""
         remote = str(meta.remote.engine_id)
         if remote in self.left_to_vllm:
             return None
+        claimed = getattr(meta, "tp_size", None)
         peer = self.peers.get(remote)
         if peer is not None:
-            if token in peer.settled:  # the common case: one set lookup
+            # the common case: one dict lookup and an int compare (0: not settled; None: a
+            # token passed under warn that says no TP size)
+            size = peer.settled.get(token, 0)
+            if size == claimed or size is None:
                 return None
+            if size:
+                return self._refuse_tp_size(request, token, claimed, remote, peer)
             refused = peer.refused.get(token)
             if refused is not None:
                 return refused
         with self.lock:
-            return self._judge_request(request, token, meta, remote)
+            verdict = self._judge_request(request, token, meta, remote)
+            peer = self.peers.get(remote)
+        size = None if peer is None else peer.settled.get(token)
+        if verdict is None and size is not None and size != claimed and peer is not None:
+            return self._refuse_tp_size(request, token, claimed, remote, peer)
+        return verdict
+
+    def _refuse_tp_size(
+        self, request: str, token: str, claimed: Any, remote: str, peer: _Peer
+    ) -> Exception | None:
+        """A request whose ``tp_size`` is not P's: one event per token and claimed size, the
+        error to fail it with under strict."""
+        key = (token, claimed)
+        with self.lock:
+            if key in peer.refused:
+                return peer.refused[key]
+            parsed = parse_request_token(token, peer=f"P {remote} (request {request})")
+            reason = check_transfer_params({"tp_size": claimed}, parsed)
+            if reason is None:  # no claim (vLLM's ReqMeta always has one), or P's own
+                return None
+            fields = self._fields(remote, parsed.tp_size, "request")
+            why = ManifestError(
+                f"P {remote}: request {request} kv_transfer_params['tp_size']", claimed,
+                f"is not P's TP size {parsed.tp_size} (its layout token {token}): {reason}",
+            )  # fmt: skip
+            judge_peer(self.manifest, None, against="request", fields=fields,
+                       reason=f"the request's TP size cannot place its pages: {why}",
+                       policy=self.policy)  # fmt: skip
+            error = why if self.policy is Policy.STRICT else None
+            peer.refused[key] = error
+            return error
 
     def _judge_request(self, request: str, token: Any, meta: Any, remote: str) -> Exception | None:
         peer = self.peers.get(remote)
@@ -758,11 +820,11 @@ class WorkerLayout:
             judge_peer(self.manifest, None, against="request", fields=fields,
                        reason=f"the request's layout token cannot be read: {bad}",
                        policy=self.policy)  # fmt: skip
-            return self._settle(remote, peer, token, bad if strict else None)
+            return self._settle(remote, peer, token, bad if strict else None, None)
         known = None if peer is None else peer.manifests.get(parsed.tp_rank)
         if known is not None and token_matches(parsed, known):
             assert peer is not None
-            peer.settled.add(token)
+            peer.settled[token] = parsed.tp_size
             return None
         host, port = str(meta.remote.host), int(meta.remote.port)
         before = (
@@ -804,7 +866,7 @@ class WorkerLayout:
                 said = f"{restart}; it cannot be judged"
             judge_peer(self.manifest, None, against="request", fields=fields,
                        reason=f"{said}: {why}", policy=self.policy)  # fmt: skip
-            return self._settle(remote, peer, token, why if strict else None)
+            return self._settle(remote, peer, token, why if strict else None, parsed.tp_size)
         senders = [current[rank] for rank in judged]
         reason = (
             f"{restart}; judged against P's current handshake manifest of rank "
@@ -815,17 +877,19 @@ class WorkerLayout:
         if verdict is not None:  # the error says it too, where it is shown (Python 3.11+)
             getattr(verdict, "add_note", lambda _: None)(reason)
         self.peers[remote] = _Peer(current, judged, verdict)
-        return self._settle(remote, self.peers[remote], token, verdict)
+        return self._settle(remote, self.peers[remote], token, verdict, parsed.tp_size)
 
     def _settle(
-        self, remote: str, peer: _Peer | None, token: Any, error: Exception | None
-    ) -> Exception | None:
-        """Remember the verdict on ``token`` (one event per token, not one per request)."""
+        self, remote: str, peer: _Peer | None, token: Any, error: Exception | None,
+        tp_size: int | None,
+    ) -> Exception | None:  # fmt: skip
+        """Remember the verdict on ``token`` (one event per token, not one per request), and
+        the P TP size it says (``None``: none to hold a request's ``tp_size`` to)."""
         if peer is None:
             peer = self.peers[remote] = _Peer({}, [])
         if isinstance(token, str):
             if error is None:
-                peer.settled.add(token)
+                peer.settled[token] = tp_size
             else:
                 peer.refused[token] = error
         return error
@@ -863,8 +927,9 @@ _JUDGE = Background("safeview-handshake")
 
 class _Peer:
     """What D holds of one P engine: P's rank manifests it was judged against (from P's
-    handshake), the ranks judged, and the request tokens settled: passed, or refused with
-    their error."""
+    handshake), the ranks judged, and the request tokens settled: passed (with the P TP
+    size each says), or refused with their error (a token and the ``tp_size`` a request
+    claimed with it: refused for that claim only)."""
 
     __slots__ = ("judged", "manifests", "refused", "settled")
 
@@ -873,9 +938,11 @@ class _Peer:
     ) -> None:
         self.manifests = manifests
         self.judged = judged
-        tokens = {request_token(m) for m in manifests.values()}
-        self.settled: set[str] = set() if error is not None else tokens
-        self.refused: dict[str, Exception] = dict.fromkeys(tokens, error) if error else {}
+        tokens: dict[str, int | None] = {
+            request_token(m): m.topology.tp_size for m in manifests.values()
+        }
+        self.settled: dict[str, int | None] = {} if error is not None else tokens
+        self.refused: dict[Any, Exception | None] = dict.fromkeys(tokens, error) if error else {}
 
 
 def token_of_payload(payload: Any) -> str | None:
