@@ -335,7 +335,8 @@ def rank_manifest(tp: int = 2, rank: int = 0, layout: str = "NB_NH_BS_2HS") -> M
 def handshake_payload(manifest: Manifest | None) -> bytes:
     """What vLLM 0.33's NIXL side channel serves for one rank (NixlHandshakePayload, msgpack
     through msgspec: a map of its fields), with safeview's manifest under its own key on P."""
-    import msgspec
+    # vLLM's own dependency; the `test` extra brings it, and without it the test says so
+    msgspec = pytest.importorskip("msgspec", reason="needs msgspec: pip install -e '.[test]'")
 
     metadata = {"engine_id": "vllm", "block_lens": [4096], "kv_cache_layout": "HND"}
     agent = msgspec.msgpack.encode(metadata)
