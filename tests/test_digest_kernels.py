@@ -150,3 +150,28 @@ def test_a_process_held_to_avx2_digests_as_the_formula() -> None:
     vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
     if vnni and torch._C._has_mkldnn:
         assert found["exact"] is False  # ONEDNN_MAX_CPU_ISA took effect: no VNNI, saturation
+
+
+def test_the_int8_kernel_reads_large_and_strided_views_through_a_bounded_kept_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CPU the int8 kernel copies a view larger than ``_CHUNK_BYTES`` (a run of consecutive
+    pages) or strided (token-major pages) into a kept buffer of at most ``_CHUNK_BYTES``, a
+    few pages at a time (``torch._int_mm`` reads it faster from the core's cache than from
+    memory), and each row's product is numpy's: in batches of two pages, of one page larger
+    than a batch, and of the last batch shorter than the others."""
+    if not _digest_torch._int_mm_exact():
+        pytest.skip("torch._int_mm is not exact on this CPU: the int8 kernel is never used here")
+    monkeypatch.setattr(_digest_torch, "_CHUNK_BYTES", 2 * 16 * 4 * 256)  # two pages below
+    monkeypatch.delattr(_digest_torch._SCRATCH, "stage", raising=False)  # another test's
+    generator = torch.Generator().manual_seed(37)
+    pages = torch.randint(-128, 128, (7, 16, 4, 256), dtype=torch.int8, generator=generator)
+    token_major = pages.permute(0, 2, 1, 3)
+    latent = torch.randint(-128, 128, (3, 64, 1152), dtype=torch.int8, generator=generator)
+    for view, length in ((pages, 256), (token_major, 256), (latent, 1152)):
+        out = torch.full((view.numel() // length, 2), -1, dtype=torch.int32)
+        _digest_torch._blocks_times_r(view, length, "int_mm", out)
+        assert (out.numpy() == _products(view, length)).all()
+    stage = getattr(_digest_torch._SCRATCH, "stage", None)
+    assert stage is not None  # the views were staged
+    assert stage.numel() <= max(_digest_torch._CHUNK_BYTES, 64 * 1152)  # a batch, or one page

@@ -6,10 +6,12 @@ blocks form a few runs of consecutive ids, else gathered with ``index_select`` o
 device (on CPU a few pages at a time, in address order); the rows times ``R``, exactly, two
 lanes per row: ``torch._int_mm`` (int8 x int8 -> int32) on CUDA and where the CPU has VNNI or
 AMX, else the rows widened to int32 a few pages at a time and multiplied by torch's int32
-product (``_cpu_kernel``). Per page shape, for all its layers at once: the lanes times the
-position keys, summed per head, as one float64 product with the keys' 16-bit halves (exact: cut
-where a sum would pass ``2**53``), modulo ``PRIME``; the K/V, head, element type and layer keys
-on the few sums left. Part of the torch boundary (tests/test_architecture.py).
+product (``_cpu_kernel``); on CPU ``torch._int_mm`` reads a run of pages (or a strided view)
+copied into a kept buffer 1 MiB at a time, faster than where they lie. Per page shape, for all
+its layers at once: the lanes times the position keys, summed per head, as one float64 product
+with the keys' 16-bit halves (exact: cut where a sum would pass ``2**53``), modulo ``PRIME``;
+the K/V, head, element type and layer keys on the few sums left. Part of the torch boundary
+(tests/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _scratch(
     use: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """A tensor for work inside one call, on CPU from memory the calling thread keeps between
-    calls (up to ``_KEEP_BYTES`` per use, four uses): fresh memory costs a page fault per 4 KiB
+    calls (up to ``_KEEP_BYTES`` per use, five uses): fresh memory costs a page fault per 4 KiB
     the first time it is written, which for a request of 128 blocks was a tenth of the digest
     (benchmarks/bench_digest.py)."""
     if device.type != "cpu":
@@ -191,7 +193,23 @@ def _blocks_times_r(
     in the rows' order whatever the view's strides, and multiplied while they are in the
     core's cache."""
     if kernel != "widen":
-        _rows_times_r(view.reshape(-1, length), length, out=out)
+        small = view.numel() <= _CHUNK_BYTES and view.is_contiguous()
+        if view.device.type != "cpu" or small:
+            _rows_times_r(view.reshape(-1, length), length, out=out)
+            return
+        # in batches of ``_CHUNK_BYTES`` copied into a kept buffer first: ``torch._int_mm``
+        # reads its operand slower from memory than from the core's cache, and a strided view
+        # would be reshaped into fresh memory whole
+        blocks, tail = view.shape[0], view.shape[1:]
+        per_block = math.prod(tail)
+        step = max(1, _CHUNK_BYTES // max(per_block, 1))
+        stage = _scratch("stage", (min(step, blocks) * per_block,), torch.int8, view.device)
+        for at in range(0, blocks, step):
+            count = min(step, blocks - at)
+            part = stage[: count * per_block]
+            part.view(count, *tail).copy_(view[at : at + count])
+            rows = slice(at * per_block // length, (at + count) * per_block // length)
+            _rows_times_r(part.view(-1, length), length, out=out[rows])
         return
     weights = _r_wide(length)
     if wide is not None:
