@@ -3,9 +3,10 @@
 A ``.pth`` file must sit at the top of site-packages to be read at interpreter start, outside the
 package folder; hatchling copies it there for a regular wheel (``pip install .``) and for an
 editable one (``pip install -e .``) alike. The hook's one line reads ``SAFEVIEW_GUARD`` and, when
-it is unset or empty, imports nothing; set, it finds and loads ``safeview/guard/_startup.py`` with
-the import machinery the interpreter has already loaded (``safeview/guard/_startup.py`` says what it
-does).
+it is unset or empty, imports nothing; set, it puts a placeholder on ``sys.meta_path`` that finds
+and loads ``safeview/guard/_startup.py`` (with the import machinery the interpreter has already
+loaded) at the first import of torch, NIXL or Mooncake (``safeview/guard/_import_hook.py`` and
+``_startup.py`` say what they do).
 """
 
 from __future__ import annotations
