@@ -267,3 +267,44 @@ def test_a_region_past_its_buffer_is_refused_before_mooncake_registers_it(policy
         assert "layers.0.k" in past["refused"]
     else:  # warn: SGLang registers it, as it would alone
         assert past["registered"]
+
+
+_LOADED_BY_SGLANG = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import sglang_harness  # the import-only stand-ins (docs/sglang.md), nothing else of the harness
+sglang_harness._install_triton_stub()
+sglang_harness._stand_ins()
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+before = MooncakeKVManager.__dict__["_publish_peer_registration"]
+from safeview.testing import capture_events
+import sglang.srt.plugins
+with capture_events() as events:
+    sglang.srt.plugins.load_plugins()  # what SGLang's scheduler runs at start-up
+after = MooncakeKVManager.__dict__["_publish_peer_registration"]
+print([event["event"] for event in events if event.get("integration") == "sglang"], after is before)
+"""
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, "['integration_installed'] False"),  # the entry point, loaded by SGLang itself
+        ({"SAFEVIEW_SGLANG": "0"}, "[] True"),
+        ({"SGLANG_PLUGINS": "someone_else"}, "[] True"),  # SGLang's own filter leaves it out
+    ],
+)
+def test_sglangs_own_plugin_loader_turns_safeview_on(
+    environ: dict[str, str], expected: str
+) -> None:
+    # the installed distribution's entry point, found and run by SGLang's load_plugins()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SAFEVIEW_", "SGLANG_PLUGINS"))}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOADED_BY_SGLANG, str(HARNESS.parent)],
+        env={**env, **environ},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().splitlines()[-1] == expected, done.stderr[-2000:]
