@@ -193,6 +193,7 @@ class Finding:
     receiver_reads: Meaning | None = None
     sender_wrote: Meaning | None = None
     heads: tuple[int, ...] = ()
+    tokens: tuple[int, int] | None = None
 
     @property
     def check(self) -> Literal["storage", "region"] | None:
@@ -220,6 +221,7 @@ class Finding:
                 "kind": self.kind,
                 "layer": self.layer,
                 "heads": list(self.heads),
+                "tokens": None if self.tokens is None else list(self.tokens),
                 "receiver_rank": self.receiver_rank,
                 "sender_ranks": list(self.sender_ranks),
                 "message": self.message,
@@ -878,9 +880,11 @@ class Finding:
         message: str,
         receiver_rank: int | None = None,
         sender_ranks: tuple[int, ...] = (),
+        tokens: tuple[int, int] | None = None,
     ) -> Finding:
         """``layer``'s ``heads`` (global; ``-1``: a layer without heads) hold other values on
-        the receiver than the sender digested."""
+        the receiver than the sender digested; ``tokens``: the first and last request position
+        of the first run of tokens whose values differ, where the digests tell."""
         return cls._of_layer(
             "digest",
             layer,
@@ -888,6 +892,7 @@ class Finding:
             heads=heads,
             receiver_rank=receiver_rank,
             sender_ranks=sender_ranks,
+            tokens=tokens,
         )
 
     @classmethod

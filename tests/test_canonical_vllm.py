@@ -524,3 +524,112 @@ def test_describe_caches_reads_dcp_pcp_and_the_stage_from_vllms_config() -> None
     plain = describe_caches(caches, kv_config, _worker_topology(worker)).to_json()
     assert "dcp" not in plain
     assert "stage_layers" not in plain
+
+
+# -- the digest in the same coordinates (issue 36, point 4) -------------------------------------
+
+
+DIGEST_CASES = [  # tp, heads, dcp, pcp, interleave, order, block
+    (2, 1, 2, 1, 1, "NHD", 16),
+    (2, 1, 2, 1, 16, "HND", 16),
+    (4, 2, 2, 1, 4, "NHD", 8),
+    (4, 1, 4, 1, 1, "HND", 16),
+    (2, 1, 2, 2, 2, "NHD", 16),
+    (1, 2, 1, 2, 8, "HND", 32),
+]
+
+
+def _vllm_placed_ranks(
+    spec: tuple[int, int, int, int, int, str, int],
+    content: torch.Tensor,
+    blocks: list[int],
+    num_blocks: int,
+) -> tuple[list[Any], list[dict[str, torch.Tensor]], list[Any]]:
+    """Every rank's cache of one layer, each token's values at the slot vLLM's own
+    ``_local_to_canonical_token`` gives it (block ``j`` of the request stands for tokens
+    ``j * T * W`` on), the rest random; the ranks' manifests and vLLM contexts."""
+    tp, heads, dcp, pcp, interleave, order, block = spec
+    case = Case(tp, heads, dcp, pcp, interleave, order, False, False, block, False)
+    width, positions = dcp * pcp, content.shape[1]
+    generator = torch.Generator().manual_seed(sum(spec[:5]) * 7 + block)
+    manifests, caches, contexts = [], [], []
+    for rank in range(tp * pcp):
+        tp_rank, pcp_rank = rank % tp, rank // tp
+        held = heads_of_rank(tp_rank, tp, heads)
+        if order == "HND":
+            cache = torch.empty(num_blocks, len(held), block, 2 * HEAD_SIZE)
+        else:
+            cache = torch.empty(num_blocks, block, len(held), 2 * HEAD_SIZE).transpose(1, 2)
+        noise = torch.randint(0, 256, (cache.untyped_storage().nbytes(),), generator=generator)
+        torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage()).copy_(noise)
+        logical = cache.view(num_blocks, len(held), block, 2, HEAD_SIZE).permute(0, 3, 2, 1, 4)
+        ctx = context(case, rank)
+        for j, block_id in enumerate(blocks):
+            for slot in range(block):
+                g = j * block * width + vllm_canonical._local_to_canonical_token(slot, ctx)
+                if g < positions:
+                    logical[block_id, :, slot] = content[:, g][:, list(held)]
+        topology = {
+            "tp_rank": tp_rank, "tp_size": tp, "total_kv_heads": heads, "dcp_size": dcp,
+            "dcp_rank": tp_rank % dcp, "pcp_size": pcp, "pcp_rank": pcp_rank,
+            "cp_kv_cache_interleave_size": interleave,
+        }  # fmt: skip
+        manifests.append(describe({"attn": cache}, axes=axes_of(case), topology=topology))
+        caches.append({"attn": cache})
+        contexts.append(ctx)
+    return manifests, caches, contexts
+
+
+@pytest.mark.parametrize("spec", DIGEST_CASES, ids=[str(c) for c in DIGEST_CASES])
+def test_the_digest_of_pages_vllm_placed_agrees_with_dcp_1_and_names_a_wrong_ranks_block(
+    spec: tuple[int, int, int, int, int, str, int],
+) -> None:
+    """D's ranks under DCP/PCP hold their tokens where vLLM 0.33's own placement puts them; P
+    holds the request at DCP 1 (head-major, 16-token blocks). Their digests agree; D's block 1
+    on one rank holding another rank's tokens (its page copied from the other rank, as a
+    transfer that pairs blocks by position writes it) is named by layer, head and the first
+    run of tokens vLLM's placement says that rank holds in block 1."""
+    import safeview
+    from safeview.manifest.digest import chunk_tokens
+
+    tp, heads, dcp, pcp, _, _, block = spec
+    width = dcp * pcp
+    num_tokens = 2 * block * width + 5
+    generator = torch.Generator().manual_seed(36)
+    content = torch.randint(0, 256, (2, num_tokens, heads, 4 * HEAD_SIZE), generator=generator)
+    content = content.to(torch.uint8).view(torch.float32)  # (K/V, token, head, element)
+    count = -(-num_tokens // (block * width))
+    blocks = torch.randperm(count + 2, generator=generator)[:count].tolist()
+    manifests, caches, contexts = _vllm_placed_ranks(spec, content, blocks, count + 2)
+    received = [safeview.digest(m, c, blocks, num_tokens=num_tokens)
+                for m, c in zip(manifests, caches)]  # fmt: skip
+    p_blocks = list(range(-(-num_tokens // 16)))
+    p_cache = torch.zeros(len(p_blocks), heads, 16, 2 * HEAD_SIZE)
+    p_logical = p_cache.view(-1, heads, 16, 2, HEAD_SIZE).permute(0, 3, 2, 1, 4)
+    for j, block_id in enumerate(p_blocks):
+        n = min(16, num_tokens - 16 * j)
+        p_logical[block_id, :, :n] = content[:, 16 * j : 16 * j + n]
+    p_manifest = describe(
+        {"attn": p_cache},
+        axes=("block", "head", "token", "kv|element"),
+        topology={"tp_rank": 0, "tp_size": 1, "total_kv_heads": heads},
+    )
+    sent = safeview.digest(p_manifest, {"attn": p_cache}, p_blocks, num_tokens=num_tokens)
+    assert safeview.verify(sent, received) == []
+    # D rank 1's block 1 holds rank 0's bytes of that block (rank 0 and 1 hold the same heads)
+    wrong, right = 1, 0
+    assert heads_of_rank(wrong % tp, tp, heads) == heads_of_rank(right % tp, tp, heads)
+    if width == 1 or ((wrong % tp) % dcp == (right % tp) % dcp and wrong // tp == right // tp):
+        pytest.fail("the case needs two ranks of one head set at two context-parallel places")
+    caches[wrong]["attn"][blocks[1]] = caches[right]["attn"][blocks[1]]
+    received = [safeview.digest(m, c, blocks, num_tokens=num_tokens)
+                for m, c in zip(manifests, caches)]  # fmt: skip
+    findings = safeview.verify(sent, received)
+    first = min(block * width + vllm_canonical._local_to_canonical_token(s, contexts[wrong])
+                for s in range(block))  # fmt: skip
+    run = chunk_tokens(num_tokens)
+    expected_tokens = (first // run * run, first // run * run + run - 1)
+    held = heads_of_rank(wrong % tp, tp, heads)
+    assert [(f.kind, f.layer, f.heads, f.tokens) for f in findings] == [
+        ("digest", "attn", tuple(held), expected_tokens)
+    ]

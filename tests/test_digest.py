@@ -31,6 +31,7 @@ from safeview.manifest import _digest_torch, describe, heads_of_rank
 from safeview.manifest.digest import (
     DIGEST_CAP_BYTES,
     DIGEST_SCHEME,
+    MAX_PIECE_BYTES,
     PRIME,
     Digest,
     DigestSampling,
@@ -303,19 +304,19 @@ def test_a_request_of_many_scattered_blocks_is_gathered_in_batches_and_digests_a
 
 
 def test_rows_at_the_exactness_bound_digest_as_the_formula() -> None:
-    """The longest row piece (32 KiB) with bytes chosen so that each row's lane-0 product is
+    """The longest row piece (16 KiB) with bytes chosen so that each row's lane-0 product is
     near its largest, and more rows per head than one float64 product may sum exactly: the
     weighted sums are cut into exact parts (a single product over all of them loses low bits
     and gives another value), on both a head-major and a token-major side."""
-    weights = np.array(row_weights(1 << 15), dtype=np.int64)[:, 0]
-    extreme = np.where(weights > 0, 127, -128).astype(np.int8)  # lane 0 near 128 * 127 * 32768
-    row = torch.from_numpy(np.tile(extreme, 2))  # 64 KiB: two pieces
+    weights = np.array(row_weights(MAX_PIECE_BYTES), dtype=np.int64)[:, 0]
+    extreme = np.where(weights > 0, 127, -128).astype(np.int8)  # lane 0 near 128 * 64 * 16384
+    row = torch.from_numpy(np.tile(extreme, 2))  # 32 KiB: two pieces
     positions = 300  # 2 K/V x 300 positions x 2 pieces = 1,200 rows per head; 256 per part
     raw = row.repeat(2, positions, 1, 1).clone()  # (K/V, position, head, bytes)
     raw[1, 5, 0, 7] = 3  # not all rows alike
     content = {"model.layers.0.attn": raw.view(torch.bfloat16)}
     plan_rows = 2 * positions * 2
-    assert plan_rows > (_digest_torch._EXACT - 1) // (128 * 127 * (1 << 15) * 65535)
+    assert plan_rows > (_digest_torch._EXACT - 1) // (128 * 64 * MAX_PIECE_BYTES * 65535)
     p = _side(content, tp=1, tokens=16, layout="LBHNC", heads=1, seed=41)
     d = _side(content, tp=1, tokens=8, layout="NHD", heads=1, seed=42)
     sent, received = _digests(p, positions), _digests(d, positions)
@@ -560,10 +561,10 @@ def _pattern(count: int, step: int, start: int) -> torch.Tensor:
 
 
 def test_known_answers_pin_the_scheme() -> None:
-    """Fixed bytes and their ``sv-digest-2`` values, written here as numbers: a changed salt,
-    multiplier, weight, key or combination (a P of one release and a D of the next disagreeing on
-    every request) fails this test. If the scheme must change, give it a new name
-    (``DIGEST_SCHEME``) and new numbers here."""
+    """Fixed bytes and their ``sv-digest-3`` values and token values, written here as numbers:
+    a changed salt, multiplier, weight, key or combination (a P of one release and a D of the
+    next disagreeing on every request) fails this test. If the scheme must change, give it a
+    new name (``DIGEST_SCHEME``) and new numbers here."""
     name = "model.layers.0.attn"
     # NHD bfloat16: (K/V, block, token, head, element) = (2, 2, 4, 2, 4); the request's blocks
     # 1 then 0, six positions
@@ -571,7 +572,8 @@ def test_known_answers_pin_the_scheme() -> None:
     axes = ("kv", "block", "token", "head", "element")
     manifest = describe({name: nhd}, axes=axes, topology={"total_kv_heads": 2})
     found = safeview.digest(manifest, {name: nhd}, [1, 0], num_tokens=6)
-    assert found.values == {name: {0: 4537856095152027503, 1: 3785178552831786230}}
+    assert found.values == {name: {0: 1955207645845613101, 1: 2536484222389053933}}
+    assert found.tokens == {0: (1610058428518528006,), 1: (2191335005061968838,)}
     # the same meaning in vLLM's head-major pages (block, head, token, K|V element)
     lbhnc = torch.zeros(2, 2, 4, 8, dtype=torch.bfloat16)
     lbhnc.view(2, 2, 4, 2, 4).copy_(nhd.permute(1, 3, 2, 0, 4))
@@ -579,24 +581,26 @@ def test_known_answers_pin_the_scheme() -> None:
         {name: lbhnc}, axes=("block", "head", "token", "kv|element"), topology={"total_kv_heads": 2}
     )
     found = safeview.digest(manifest, {name: lbhnc}, [1, 0], num_tokens=6)
-    assert found.values == {name: {0: 4537856095152027503, 1: 3785178552831786230}}
+    assert found.values == {name: {0: 1955207645845613101, 1: 2536484222389053933}}
+    assert found.tokens == {0: (1610058428518528006,), 1: (2191335005061968838,)}
     # the same bytes read as float16
     f16 = nhd.view(torch.float16)
     manifest = describe({name: f16}, axes=axes, topology={"total_kv_heads": 2})
     found = safeview.digest(manifest, {name: f16}, [1, 0], num_tokens=6)
-    assert found.values == {name: {0: 2185232927102729811, 1: 1432555384782488538}}
+    assert found.values == {name: {0: 4214270494076219665, 1: 183861054339756241}}
     # an MLA latent, float8_e4m3fn (block, unit, token, element) = (3, 1, 4, 8), blocks 2 then
     # 0, seven positions; and its bytes read as float8_e5m2
     mla = _pattern(96, 101, 7).view(torch.float8_e4m3fn).view(3, 1, 4, 8)
     for dtype, value in (
-        (torch.float8_e4m3fn, 407149706595015278),
-        (torch.float8_e5m2, 1462309973320614916),
+        (torch.float8_e4m3fn, 3084213864800698786),
+        (torch.float8_e5m2, 4139374131526298424),
     ):
         latent = mla.view(dtype)
         manifest = describe({"mla": latent}, axes=MLA_AXES)
         found = safeview.digest(manifest, {"mla": latent}, [2, 0], num_tokens=7)
         assert found.values == {"mla": {-1: value}}
-    assert DIGEST_SCHEME == "sv-digest-2"
+        assert found.tokens == {-1: (2550355386684415255,)}  # no element type in token values
+    assert DIGEST_SCHEME == "sv-digest-3"
 
 
 # -- verify's other findings --------------------------------------------------------------------
@@ -629,6 +633,7 @@ def test_findings_serialise_with_their_heads() -> None:
         "kind": "digest",
         "layer": "model.layers.0.attn",
         "heads": [0],
+        "tokens": [0, 15],
         "receiver_rank": 0,
         "sender_ranks": [0],
         "message": finding.message,
@@ -643,7 +648,7 @@ def test_the_wire_round_trips_and_stays_a_few_bytes_per_layer_and_head() -> None
     one = _digests(p)[0]
     wire = one.to_wire()
     assert Digest.from_wire(wire) == one
-    assert len(wire) < 8 * 3 * 2 + 200
+    assert len(wire) < 8 * (3 * 2 + 2 * 3) + 200  # (layer, head)s, then (head, run)s
     many = Digest(
         5, {f"model.layers.{i}.self_attn.attn": {h: i * h for h in range(8)} for i in range(100)}
     )
@@ -703,13 +708,14 @@ def test_block_ids_outside_the_layer_and_a_manifest_of_other_tensors_are_argumen
 
 
 def test_the_formula_keeps_its_exact_promises() -> None:
-    for length in (1, 2, 256, 1152, 32768):
+    for length in (1, 2, 256, 1152, MAX_PIECE_BYTES):
         weights = row_weights(length)
-        assert all(a != 0 and b != 0 and -127 <= a <= 127 and -127 <= b <= 127 for a, b in weights)
+        assert all(a != 0 and b != 0 and -64 <= a <= 64 and -64 <= b <= 64 for a, b in weights)
         assert len(set(weights)) == length  # lane pairs differ: a swap inside a row shows
+    assert MAX_PIECE_BYTES == 1 << 14
     assert piece_count(256) == 1
-    assert piece_count(1 << 16) == 2
-    assert piece_count(3 * (1 << 15)) == 3
+    assert piece_count(1 << 15) == 2
+    assert piece_count(3 * (1 << 14)) == 3
     values = torch.arange(0, 5000, dtype=torch.int64)
     for lane in (0, 1):
         keys = key(values, "token", lane)

@@ -28,10 +28,14 @@ __all__ = [
     "DIGEST_HEADER_CAP_BYTES",
     "DIGEST_SCHEME",
     "LANES",
+    "MAX_CHUNKS",
     "MAX_PIECE_BYTES",
     "NO_HEAD",
     "PRIME",
+    "WEIGHT_BOUND",
     "Digest",
+    "chunk_tokens",
+    "combine_lanes",
     "key",
     "layer_key",
     "piece_count",
@@ -39,21 +43,31 @@ __all__ = [
     "type_key",
 ]
 
-DIGEST_SCHEME = "sv-digest-2"
-"""The formula's name, on the wire: ``sv-digest-2`` puts each layer's element type into its
-values (``sv-digest-1`` did not). A peer of another scheme is refused by ``from_wire``, and
+DIGEST_SCHEME = "sv-digest-3"
+"""The formula's name, on the wire: ``sv-digest-3`` keys a token by its position in the
+request (context parallelism included), weighs a row's bytes by weights of at most 64, and
+adds values per (head, run of tokens); ``sv-digest-2`` (0.7) put each layer's element type into
+its values, ``sv-digest-1`` did not. A peer of another scheme is refused by ``from_wire``, and
 ``verify`` compares no values of two schemes: their numbers mean different things."""
 PRIME = (1 << 31) - 1
 """The modulus of each lane: a Mersenne prime, so that a lane times a key fits in int64."""
 LANES = 2
-MAX_PIECE_BYTES = 1 << 15
+MAX_PIECE_BYTES = 1 << 14
 """A row longer than this is cut into equal pieces, each its own coordinate: ``R``'s lane
-pairs stay distinct (254 * 254 of them) and ``int8 x int8`` sums stay exact in int32."""
+pairs stay distinct (128 * 128 of them) and ``int8 x int8`` sums stay exact in int32."""
+WEIGHT_BOUND = 64
+"""``R``'s entries are in ``[-64, -1] u [1, 64]``: a pair of byte-times-weight products, with
+the byte read as unsigned (0 to 255), stays inside int16 (``2 * 255 * 64 = 32,640``), so the
+int8 kernels that add such pairs into int16 (oneDNN's on CPUs without VNNI) are exact
+(issue 35)."""
 DIGEST_CAP_BYTES = 4 << 20
 """The largest digest ``from_wire`` reads: 1,000 layers x 128 heads x 8 bytes, and room."""
 DIGEST_HEADER_CAP_BYTES = 256 * 1024
 """The most a digest's header may inflate to (``from_wire`` inflates no further): 1,000 layers
 named in 40 characters each, with their element types, is about 60 KB."""
+MAX_CHUNKS = 64
+"""A digest's token values cut the request into at most this many runs of tokens
+(``chunk_tokens``)."""
 _MAGIC = b"SVD1"
 NO_HEAD = -1  # the head key of a layer without a head axis (an MLA latent, a Mamba state)
 
@@ -105,16 +119,16 @@ def type_key(dtype: str, lane: int) -> int:
 
 def row_weights(length: int) -> list[tuple[int, int]]:
     """``R``: for byte ``j`` of a row (or piece) of ``length`` bytes, its two lane weights,
-    int8 values in ``[-127, -1] u [1, 127]``, the pair different for every ``j`` (``j`` below
-    254 * 254)."""
-    if not 0 < length <= 254 * 254:
-        raise ValueError(f"a row piece of {length} bytes is not in [1, {254 * 254}]")
+    int8 values in ``[-64, -1] u [1, 64]`` (``WEIGHT_BOUND``), the pair different for every
+    ``j`` (``j`` below 128 * 128)."""
+    if not 0 < length <= 128 * 128:
+        raise ValueError(f"a row piece of {length} bytes is not in [1, {128 * 128}]")
 
-    def signed(x: int) -> int:  # 254 values -> nonzero int8
-        return x - 127 if x < 127 else x - 126
+    def signed(x: int) -> int:  # 128 values -> nonzero, at most WEIGHT_BOUND in magnitude
+        return x - 64 if x < 64 else x - 63
 
     return [
-        (signed((j % 254 * 37 + 11) % 254), signed(((j // 254 + j) % 254 * 67 + 5) % 254))
+        (signed((j % 128 * 37 + 11) % 128), signed(((j // 128 + j) % 128 * 67 + 5) % 128))
         for j in range(length)
     ]
 
@@ -127,6 +141,28 @@ def piece_count(row_bytes: int) -> int:
     return pieces
 
 
+def chunk_tokens(num_tokens: int) -> int:
+    """The tokens of one run of a digest's token values: 16, or the smallest power of two
+    above it that cuts ``num_tokens`` into at most ``MAX_CHUNKS`` runs (both sides of one
+    request cut it alike)."""
+    tokens = 16
+    while -(-num_tokens // tokens) > MAX_CHUNKS:
+        tokens *= 2
+    return tokens
+
+
+def combine_lanes(values: Any) -> int:
+    """Values of one coordinate from parts of the request's tokens (a context-parallel rank
+    each), as one value: each lane the sum of the parts' lanes modulo ``PRIME`` (the formula
+    is a sum over tokens, and only the rank at context-parallel position 0 adds the element
+    type's key)."""
+    high = low = 0
+    for value in values:
+        high = (high + (value >> 31)) % PRIME
+        low = (low + (value & PRIME)) % PRIME
+    return (high << 31) | low
+
+
 # -- the digest ---------------------------------------------------------------------------------
 
 
@@ -137,7 +173,14 @@ class Digest:
     positions; ``tp_rank`` and ``tp_size`` of the rank that made it and the ``fingerprint`` of
     the manifest it read through (informative: two sides of one meaning have different
     manifests); ``dtypes[layer]`` the element type each layer was read as (already in its
-    values; said here so that a finding can name it; a layer may be absent)."""
+    values; said here so that a finding can name it; a layer may be absent).
+
+    Under context parallelism a rank holds some of the request's tokens: ``cp_size``,
+    ``cp_rank`` (``pcp_rank * dcp_size + dcp_rank``) and ``cp_interleave`` say which, and
+    ``verify`` adds the values of a side's context-parallel ranks up (``combine_lanes``).
+    ``tokens[head]``: per run of ``chunk_tokens(num_tokens)`` tokens of the request, the
+    values of ``head`` over every layer of ``values`` (how ``verify`` names the first tokens
+    that differ)."""
 
     num_tokens: int
     values: Mapping[str, Mapping[int, int]]
@@ -146,6 +189,10 @@ class Digest:
     fingerprint: str = ""
     scheme: str = field(default=DIGEST_SCHEME)
     dtypes: Mapping[str, str] = field(default_factory=dict)
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_interleave: int = 1
+    tokens: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -155,7 +202,9 @@ class Digest:
         """``SVD1``, the header's length, the zlib-compressed JSON header (scheme, tokens,
         rank, layer names, each distinct list of heads once and per layer which where there
         are several, the element type once where every layer has the same, else per layer
-        where known), then 8 bytes per (layer, head), little-endian, in the header's order."""
+        where known; the context-parallel split where there is one; the heads of the token
+        values), then 8 bytes per (layer, head), little-endian, in the header's order, then 8
+        per (head, run of tokens)."""
         heads = [sorted(per) for per in self.values.values()]
         head_sets: dict[tuple[int, ...], int] = {}  # each distinct list, and its index
         for hs in heads:
@@ -176,8 +225,14 @@ class Digest:
             header["dtype"] = dtypes[0]
         elif self.dtypes:
             header["dtypes"] = dtypes
+        if self.cp_size > 1:
+            header["cp"] = [self.cp_size, self.cp_rank, self.cp_interleave]
+        token_heads = sorted(self.tokens)
+        if token_heads:
+            header["token_heads"] = token_heads
         packed = zlib.compress(json.dumps(header, separators=(",", ":")).encode("utf-8"), 6)
         numbers = [self.values[layer][h] for layer, hs in zip(self.values, heads) for h in hs]
+        numbers += [value for h in token_heads for value in self.tokens[h]]
         return (
             _MAGIC
             + struct.pack("<I", len(packed))
@@ -208,17 +263,21 @@ class Digest:
             )
         header = _read_header(data[8 : 8 + length], where)
         layers, heads, dtypes, (num_tokens, rank, size, fingerprint) = _fields(header, where)
+        cp_size, cp_rank, cp_interleave = _cp_fields(header, where)
+        token_heads = _token_heads(header, where)
+        runs = -(-num_tokens // chunk_tokens(num_tokens))
         # the values the header announces, counted before any is built
         count = sum(len(hs) for hs in heads)
+        total = count + len(token_heads) * runs
         body = memoryview(data)[8 + length :]
-        if len(body) != 8 * count:
+        if len(body) != 8 * total:
             raise ManifestError(
                 f"{where} values",
                 len(body),
-                f"bytes are not the {8 * count:,} its header announces ({count:,} values): "
+                f"bytes are not the {8 * total:,} its header announces ({total:,} values): "
                 "truncated or padded",
             )
-        numbers = struct.unpack(f"<{count}Q", body)
+        numbers = struct.unpack(f"<{total}Q", body)
         if numbers and max(numbers) >= 1 << 62:
             raise ManifestError(f"{where} values", max(numbers), "is not a 62-bit digest value")
         values: dict[str, dict[int, int]] = {}
@@ -226,13 +285,18 @@ class Digest:
         for layer, hs in zip(layers, heads):
             values[layer] = dict(zip(hs, numbers[at : at + len(hs)]))
             at += len(hs)
+        tokens = {h: tuple(numbers[at + i * runs : at + (i + 1) * runs]) for i, h in
+                  enumerate(token_heads)}  # fmt: skip
         typed = {layer: t for layer, t in zip(layers, dtypes) if t is not None}
-        return cls(num_tokens, values, rank, size, fingerprint, DIGEST_SCHEME, typed)
+        return cls(
+            num_tokens, values, rank, size, fingerprint, DIGEST_SCHEME, typed,
+            cp_size, cp_rank, cp_interleave, tokens,
+        )  # fmt: skip
 
 
 _HEADER_KEYS = {
     "scheme", "num_tokens", "tp_rank", "tp_size", "fingerprint", "layers", "heads",
-    "layer_heads", "dtype", "dtypes",
+    "layer_heads", "dtype", "dtypes", "cp", "token_heads",
 }  # fmt: skip
 _MAX_TOKENS = MAX_BYTES
 
@@ -347,3 +411,29 @@ def _fields(
                 f"{where} dtypes[{at}]", dtype, "is not an element type safeview knows"
             )
     return layers, [head_sets[i] for i in which], dtypes, (num_tokens, rank, size, fingerprint)
+
+
+def _cp_fields(header: dict[str, Any], where: str) -> tuple[int, int, int]:
+    """The context-parallel split (``cp``: size, rank, interleave; none is ``1, 0, 1``)."""
+    if "cp" not in header:
+        return 1, 0, 1
+    cp = header["cp"]
+    if not isinstance(cp, list) or len(cp) != 3:
+        raise ManifestError(f"{where} cp", cp, "is not [size, rank, interleave]")
+    size = _integer(cp[0], f"{where} cp size", 2, MAX_RANKS + 1)
+    rank = _integer(cp[1], f"{where} cp rank", 0, size)
+    interleave = _integer(cp[2], f"{where} cp interleave", 1, MAX_BYTES)
+    return size, rank, interleave
+
+
+def _token_heads(header: dict[str, Any], where: str) -> list[int]:
+    """The heads of the token values: ``-1`` or a head below ``MAX_HEADS``, each once, in
+    order."""
+    heads = header.get("token_heads", [])
+    if not isinstance(heads, list):
+        raise ManifestError(f"{where} token_heads", heads, "is not a list of heads")
+    for head in heads:
+        _integer(head, f"{where} token_heads", NO_HEAD, MAX_HEADS)
+    if heads != sorted(set(heads)):
+        raise ManifestError(f"{where} token_heads", heads, "is not its heads once each, in order")
+    return heads

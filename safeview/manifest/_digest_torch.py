@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -28,7 +29,9 @@ from safeview.manifest._digest_model import (
     LANES,
     NO_HEAD,
     PRIME,
+    WEIGHT_BOUND,
     Digest,
+    chunk_tokens,
     key,
     layer_key,
     piece_count,
@@ -36,6 +39,7 @@ from safeview.manifest._digest_model import (
     type_key,
 )
 from safeview.manifest._model import Layer, Manifest
+from safeview.manifest.canonical import token_positions
 
 __all__ = ["digest"]
 
@@ -129,16 +133,24 @@ _R_WIDE: dict[int, torch.Tensor] = {}
 
 
 def _int_mm_exact() -> bool:
-    """Whether ``torch._int_mm`` gives the exact product here, on operands whose products
-    overflow an int16 pair sum (bytes of 127 and -128 against weights of +-127): oneDNN's int8
-    kernels without VNNI (AVX2, AVX-512 without VNNI, or ``ONEDNN_MAX_CPU_ISA`` below it) add
-    pairs of products into int16 with saturation, and their results are not the formula's."""
-    rows = torch.full((32, 1024), 127, dtype=torch.int8)
-    rows[1::2] = -128
-    rows[2::4, ::3] = 5
-    weights = torch.full((1024, 8), 127, dtype=torch.int8)
-    weights[:, 1::2] = -127
-    weights[::2, 2:4] = -127
+    """Whether ``torch._int_mm`` gives the exact product here for the operands the digest
+    multiplies (any bytes, weights at most ``WEIGHT_BOUND`` in magnitude), probed with those
+    that strain it most: bytes of 127 and -128 against weights of +-64, and random ones.
+    oneDNN's int8 kernels without VNNI (AVX2, AVX-512 without VNNI, or ``ONEDNN_MAX_CPU_ISA``
+    below it) read the bytes as unsigned and add pairs of products into int16 with
+    saturation: exact for such weights (``2 * 255 * 64`` fits), wrong for larger ones."""
+    generator = torch.Generator().manual_seed(35)
+    rows = torch.randint(-128, 128, (64, 1024), dtype=torch.int8, generator=generator)
+    rows[:16] = 127
+    rows[16:32] = -128
+    rows[8:16, ::3] = -128
+    rows[24:32, ::5] = 127
+    bound = WEIGHT_BOUND
+    weights = torch.randint(-bound, bound + 1, (1024, 8), dtype=torch.int8, generator=generator)
+    weights[:, 0] = bound
+    weights[:, 1] = -bound
+    weights[::2, 2] = bound
+    weights[1::2, 2] = -bound
     try:
         found = torch._int_mm(rows, weights)
     except (RuntimeError, NotImplementedError):
@@ -150,21 +162,38 @@ def _int_mm_exact() -> bool:
 def _cpu_kernel() -> str:
     """The kernel of the rows' products on this CPU, chosen once per process (and per
     ``torch.backends.mkldnn.enabled``): ``"int_mm"`` (``torch._int_mm``, int8 x int8 -> int32)
-    where oneDNN runs it with VNNI or AMX and its probe is exact, ``"widen"`` elsewhere. Without
-    VNNI ``torch._int_mm`` is slow (ATen's plain loop where oneDNN is off or does not run it:
-    about 11x a copy of the same bytes on an AVX2-only EPYC) or inexact (oneDNN's saturating
-    int16 pair sums: ``_int_mm_exact``); ``"widen"`` turns the bytes into int32, a few pages at
-    a time, and multiplies them by ``R`` with torch's int32 product (exact: a row's sum is below
-    ``2**29``)."""
+    where its probe is exact (``_int_mm_exact``) and not twice as slow here as ``"widen"`` (the
+    bytes turned into int32 a few pages at a time and multiplied by ``R`` with torch's int32
+    product; exact, a row's sum is below ``2**27``), timed on 1 MiB of rows, best of three.
+    What ``torch._int_mm`` runs depends on the CPU and on torch: oneDNN's VNNI or AMX kernels
+    (faster than ``"widen"``), its AVX2 or AVX-512 kernels without VNNI (exact for ``R``'s
+    weights, about as fast as ``"widen"`` on one thread, and shared out over torch's threads,
+    which ``"widen"``'s int32 product is not), or ATen's plain loop (exact, about 20x slower
+    than ``"widen"``)."""
     enabled = torch._C._has_mkldnn and torch._C._get_mkldnn_enabled()  # mkldnn.enabled
     found = _KERNELS.get(enabled)
     if found is None:
-        probes = (getattr(torch.cpu, "_is_vnni_supported", None),
-                  getattr(torch.cpu, "_is_amx_tile_supported", None))  # fmt: skip
-        fast = any(probe is not None and probe() for probe in probes)
-        found = "int_mm" if enabled and fast and _int_mm_exact() else "widen"
+        found = "widen"
+        if _int_mm_exact():
+            int_mm, widen = _kernel_seconds("int_mm"), _kernel_seconds("widen")
+            found = "int_mm" if int_mm < 2 * widen else "widen"  # a margin for noise
         _KERNELS[enabled] = found
     return found
+
+
+def _kernel_seconds(kernel: str) -> float:
+    """The best of three times ``kernel`` takes for 1 MiB of rows of 256 bytes, a batch of
+    pages (after a first call, which may build the kernel)."""
+    generator = torch.Generator().manual_seed(35)
+    rows = torch.randint(-128, 128, (16, 256, 256), dtype=torch.int8, generator=generator)
+    out = torch.empty(4096, LANES, dtype=torch.int32)
+    wide = torch.empty(rows.shape, dtype=torch.int32) if kernel == "widen" else None
+    best = math.inf
+    for _ in range(4):
+        start = time.perf_counter()
+        _blocks_times_r(rows, 256, kernel, out, wide)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _r_wide(length: int) -> torch.Tensor:
@@ -294,15 +323,23 @@ def _extent(layer: Layer) -> int:
     return last + sum((a.size - 1) * a.stride_bytes for a in layer.axes) + layer.itemsize
 
 
-def _position_keys(
-    lane: int, blocks: int, tokens: int, num_tokens: int, device: torch.device
+def _positions(
+    blocks: int, slots: tuple[int, ...], cp_size: int, device: torch.device
 ) -> torch.Tensor:
-    """Key of each (request block, token) position for ``lane``, 0 at and past ``num_tokens``:
-    ``(blocks, tokens)`` int64."""
-    positions = torch.arange(blocks * tokens, dtype=torch.int64, device=device)
+    """The request position of each (request block, local slot): block ``b`` stands for the
+    request's tokens ``b * T * W`` to ``(b + 1) * T * W - 1`` (``T`` slots, ``W`` ranks of
+    context parallelism), its slot ``s`` for ``slots[s]`` of them (``token_positions``):
+    ``(blocks, T)`` int64."""
+    tokens = len(slots)
+    first = torch.arange(blocks, dtype=torch.int64, device=device).view(-1, 1) * tokens * cp_size
+    return first + torch.tensor(slots, dtype=torch.int64, device=device).view(1, -1)
+
+
+def _position_keys(lane: int, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Key of each position for ``lane``, 0 at and past ``num_tokens`` (not the request's
+    meaning, on any rank)."""
     keys = key(positions, "token", lane)
-    keys = torch.where(positions < num_tokens, keys, torch.zeros_like(keys))
-    return keys.view(blocks, tokens)
+    return torch.where(positions < num_tokens, keys, torch.zeros_like(keys))
 
 
 _SPLIT = 1 << 16  # keys cut into 16-bit halves: a lane times a half is below 2**45
@@ -343,7 +380,14 @@ class _Plan:
     head, rows after it: the rows' own order; a row's key never depends on its head), and how
     many terms one float64 product sums exactly."""
 
-    def __init__(self, layer: Layer, blocks: int, num_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        layer: Layer,
+        blocks: int,
+        num_tokens: int,
+        place: tuple[int, tuple[int, ...]],
+        device: torch.device,
+    ) -> None:
         placed = next((a for a in layer.axes if a.outer and a.size > 1 and a.axis != "kv"), None)
         self.placed = placed.axis if placed is not None else None
         itemsize = layer.itemsize
@@ -362,12 +406,19 @@ class _Plan:
         self.span = sum((s - 1) * t for s, t in zip(self.shape_tail, self.stride_tail)) + 1
         # one head's rows (the head axis, where there is one, at size 1: keys do not vary by it)
         sizes = [blocks, *(1 if d == "head" else a.size for d, a in zip(dims[1:], inner)), pieces]
+        cp_size, slots = place
+        assert len(slots) == tokens
+        positions = _positions(blocks, slots, cp_size, device)
+        view = [blocks if d == "block" else tokens if d == "token" else 1 for d in dims]
+        runs = -(-num_tokens // chunk_tokens(num_tokens))
+        # each row's run of tokens (``runs``: past the request), in the rows' order
+        run = torch.where(positions < num_tokens, positions // chunk_tokens(num_tokens), runs)
+        self.runs = runs
+        self.run_of_row = torch.zeros(sizes, dtype=torch.int64, device=device) + run.view(view)
         per_lane = []
         for lane in range(LANES):
             keys = torch.ones(sizes, dtype=torch.int64, device=device)
-            positions = _position_keys(lane, blocks, tokens, num_tokens, device)
-            view = [blocks if d == "block" else tokens if d == "token" else 1 for d in dims]
-            keys = keys * positions.view(view)
+            keys = keys * _position_keys(lane, positions, num_tokens).view(view)
             for at, meaning in enumerate(dims):
                 if meaning in ("kv", "piece"):
                     count = sizes[at]
@@ -381,12 +432,15 @@ class _Plan:
         self.pre = math.prod(sizes[1:at])  # rows of a block before its head index changes
         self.post = math.prod(sizes[at + 1 :])  # rows of one head index in a row
         keys = torch.stack(per_lane, dim=-1).reshape(blocks * self.pre, self.post, LANES)
+        self.row_keys = keys
+        self.run_of_row = self.run_of_row.reshape(blocks * self.pre, self.post)
         self.keys = _key_matrix(keys)
-        self.gathered: torch.Tensor | None = None  # the keys in a gather's order, once made
+        # the keys and runs in a gather's order, once made
+        self.gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.steps: list[_Step] | None = None
         self.rows_per_block = math.prod(self.shape_tail) // self.piece_bytes
         self.kernel = _cpu_kernel() if device.type == "cpu" else "int_mm"
-        largest = 128 * 127 * self.piece_bytes  # |<row, R>|
+        largest = 128 * WEIGHT_BOUND * self.piece_bytes  # |<row, R>|
         self.terms = max(1, (_EXACT - 1) // (largest * (_SPLIT - 1)))
         self.outer_offsets: list[tuple[int, dict[str, int]]] = [(0, {})]
         for axis in outer:
@@ -403,12 +457,21 @@ class _Plan:
                     outer_key[lane] = outer_key[lane] * key(index, meaning, lane) % PRIME
             self.outer_keys.append(torch.tensor(outer_key, dtype=torch.int64, device=device))
 
-    def keys_in_order(self, order: torch.Tensor) -> torch.Tensor:
-        """The keys with the blocks in ``order`` (request positions), made once per call."""
+    def in_order(
+        self, order: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keys (``_key_matrix``'s and each row's), and each row's run of tokens, with the
+        blocks in ``order`` (request positions; ``None``: the request's own), made once per
+        call."""
+        if order is None:
+            return self.keys, self.row_keys, self.run_of_row
         if self.gathered is None:
             blocks = order.shape[0]
-            per_block = self.keys.view(blocks, -1, 2 * LANES).index_select(0, order)
-            self.gathered = per_block.view(self.keys.shape)
+            keys, row_keys, run_of_row = (
+                t.view(blocks, -1).index_select(0, order).view(t.shape)
+                for t in (self.keys, self.row_keys, self.run_of_row)
+            )
+            self.gathered = (keys, row_keys, run_of_row)
         return self.gathered
 
     def gather_steps(self, ids: torch.Tensor) -> list[_Step]:
@@ -529,18 +592,18 @@ def _plan_sums(
     gather: tuple[torch.Tensor, torch.Tensor | None] | None,
     plan: _Plan,
     blocks: int,
+    token_sums: torch.Tensor,
 ) -> list[torch.Tensor]:
     """Per layer of one plan, its per-head, per-lane sums (int64 ``(heads, lanes)``): each
     layer's lanes made into one small buffer and copied from there, as float64 and head by
     head, into its batch's values; each batch (as many layers as ``_BATCH_BYTES`` holds) then
-    weighed at once."""
+    weighed at once. Into ``token_sums`` (int64 ``(heads, runs + 1, lanes)``, the plan's
+    heads) each batch's sums per head and run of tokens (``_token_sums``)."""
     parts = len(plan.outer_offsets)
     per_entry = blocks * plan.rows_per_block * LANES
     per_batch = max(1, _BATCH_BYTES // max(8 * per_entry * parts, 1))
     device = members[0][2].device
-    keys = plan.keys
-    if gather is not None and gather[1] is not None:
-        keys = plan.keys_in_order(gather[1])
+    keys, row_keys, run_of_row = plan.in_order(gather[1] if gather is not None else None)
     outer = torch.stack(plan.outer_keys).view(1, parts, 1, LANES)
     heads, rows = len(plan.heads), keys.shape[0]
     found: list[torch.Tensor] = []
@@ -557,7 +620,57 @@ def _plan_sums(
         sums = _weighted_sums(values, plan, keys).view(len(batch), parts, -1, LANES)
         per_layer = (sums * outer % PRIME).sum(dim=1) % PRIME  # (layers, heads, lanes)
         found.extend(per_layer.unbind(0))
+        layer_keys = torch.tensor(
+            [[_layer_key(name, lane) for lane in range(LANES)] for name, _, _ in batch],
+            dtype=torch.int64,
+            device=device,
+        )
+        weights = (layer_keys.view(-1, 1, LANES) * outer.view(1, parts, LANES) % PRIME).view(
+            -1, LANES
+        )  # per entry (layer, K/V part) and lane
+        _token_sums(values, weights, row_keys, run_of_row, token_sums)
     return found
+
+
+_ENTRIES = 512  # entries weighed in one float64 product: 512 * 2**16 * 2**27 < 2**53
+
+
+def _token_sums(
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    row_keys: torch.Tensor,
+    run_of_row: torch.Tensor,
+    into: torch.Tensor,
+) -> None:
+    """Add to ``into`` (int64 ``(heads, runs + 1, lanes)``) each head's sum, per run of tokens,
+    of every entry's rows: the row's lane times its key times its entry's ``weights`` (the
+    layer's key times the K/V part's), modulo ``PRIME``. ``values``: the batch's lanes
+    (float64 ``(entries, heads, rows, post, lanes)``, exact); one float64 product of the
+    entries' weights (16-bit halves, both lanes) with the lanes where they lie (each lane's
+    weights applied to both lanes' values, and the other lane's products left: no copy of
+    ``values``), then per lane one multiply by the rows' keys and one sum per run."""
+    entries, heads = values.shape[:2]
+    count = run_of_row.numel()
+    flat = values.view(entries, heads * count * LANES)
+    total = torch.zeros(heads * count, LANES, dtype=torch.int64, device=values.device)
+    for start in range(0, entries, _ENTRIES):
+        part = weights[start : start + _ENTRIES]  # (entries, lanes)
+        halves = torch.stack((part % _SPLIT, part // _SPLIT))  # (half, entry, lane)
+        left = halves.permute(0, 2, 1).reshape(2 * LANES, -1).to(torch.float64)
+        product = (left @ flat[start : start + _ENTRIES]).view(2, LANES, heads * count, LANES)
+        # each lane's weights with its own lane's values (integers below 2**53, exact)
+        mine = torch.diagonal(product, dim1=1, dim2=3).to(torch.int64)  # (half, rows, lane)
+        total += _fold(mine[0] + _fold(mine[1]) * _SPLIT)
+    weighed = _fold(_fold(total)).view(heads, count, LANES) * row_keys.reshape(1, count, LANES)
+    into.index_add_(1, run_of_row.reshape(count), _fold(weighed))
+    into.remainder_(PRIME)
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    """A number congruent to ``x`` (int64) modulo ``PRIME = 2**31 - 1`` and below ``2**33`` in
+    magnitude, with two bit operations and an add (``2**31`` is 1 modulo ``PRIME``), where
+    torch's int64 remainder divides element by element."""
+    return (x & PRIME) + (x >> 31)
 
 
 def _gather_order(ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -587,12 +700,15 @@ def _head_keys(head: int) -> tuple[int, ...]:
     return found
 
 
-def _values(name: str, dtype: str, heads: Sequence[int], found: list[list[int]]) -> dict[int, int]:
+def _values(
+    name: str, dtype: str, heads: Sequence[int], found: list[list[int]], typed: bool
+) -> dict[int, int]:
     """A layer's values per head from its per-lane sums: times the head's key, plus the
-    element type's key, times the layer's key."""
+    element type's key (``typed``: on the rank at context-parallel position 0 only, so that
+    the ranks' values add up to one), times the layer's key."""
     result: dict[int, int] = {}
     layer_keys = [_layer_key(name, lane) for lane in range(LANES)]
-    type_keys = [type_key(dtype, lane) for lane in range(LANES)]
+    type_keys = [type_key(dtype, lane) if typed else 0 for lane in range(LANES)]
     for at, head in enumerate(heads):
         head_keys = _head_keys(head)
         lanes_value = [
@@ -622,16 +738,19 @@ def digest(
     for name in names:
         if name not in manifest.layers:
             raise ArgumentError(f"layers names {name!r}, which the manifest does not have")
+    topology = manifest.topology
+    cp_size = topology.cp_size
     token_counts = {manifest.layers[n].size_of("token") for n in names}
-    positions = len(ids) * min(token_counts, default=1)
+    positions = len(ids) * min(token_counts, default=1) * cp_size
     if num_tokens is None:
         num_tokens = positions
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ArgumentError(f"num_tokens {num_tokens!r} is not a non-negative integer")
     if num_tokens > positions:
+        held = f" over {cp_size} context-parallel ranks" if cp_size > 1 else ""
         raise ArgumentError(
             f"num_tokens {num_tokens:,} is more than the {len(ids)} blocks hold ({positions:,} "
-            "positions)"
+            f"positions{held})"
         )
     low, high = (min(ids), max(ids)) if ids else (0, -1)
     runs = _runs(ids)
@@ -660,13 +779,22 @@ def digest(
             device_name,
         )
         if shape not in plans:
-            plans[shape] = (_Plan(layer, len(ids), num_tokens, tensor.device), [])
+            tokens = layer.size_of("token")
+            place = (cp_size, token_positions(topology, tokens))
+            plans[shape] = (_Plan(layer, len(ids), num_tokens, place, tensor.device), [])
         plans[shape][1].append((name, layer, tensor))
+    chunks = -(-num_tokens // chunk_tokens(num_tokens))
+    by_head: dict[int, list[torch.Tensor]] = {}
     for shape, (plan, members) in plans.items():
         gather = ids_tensors.get(shape[-1])
-        found = _plan_sums(members, runs, gather, plan, len(ids))
+        device = members[0][2].device
+        shape_sums = (len(plan.heads), chunks + 1, LANES)
+        token_sums = torch.zeros(shape_sums, dtype=torch.int64, device=device)
+        found = _plan_sums(members, runs, gather, plan, len(ids), token_sums)
         for (name, _, _), total in zip(members, found):
             sums[name] = (total, plan.heads)
+        for at, head in enumerate(plan.heads):
+            by_head.setdefault(head, []).append(token_sums[at, :chunks].cpu())
     # one transfer to the host per device, after every layer's work is queued (a per-layer
     # transfer would wait for each layer's kernels in turn on a GPU)
     by_device: dict[str, list[str]] = {}
@@ -678,11 +806,31 @@ def digest(
         for name in names_here:
             heads = sums[name][1]
             dtype = manifest.layers[name].dtype
-            values[name] = _values(name, dtype, heads, stacked[at : at + len(heads)])
+            typed = topology.cp_rank == 0
+            values[name] = _values(name, dtype, heads, stacked[at : at + len(heads)], typed)
             at += len(heads)
     values = {name: values[name] for name in names}  # the manifest's order
-    topology = manifest.topology
     dtypes = {name: manifest.layers[name].dtype for name in names}
+    token_values = {head: _token_values(head, parts) for head, parts in sorted(by_head.items())}
     return Digest(
-        num_tokens, values, topology.tp_rank, topology.tp_size, manifest.fingerprint, dtypes=dtypes
+        num_tokens,
+        values,
+        topology.tp_rank,
+        topology.tp_size,
+        manifest.fingerprint,
+        dtypes=dtypes,
+        cp_size=cp_size,
+        cp_rank=topology.cp_rank,
+        cp_interleave=topology.cp_kv_cache_interleave_size,
+        tokens=token_values,
+    )
+
+
+def _token_values(head: int, parts: list[torch.Tensor]) -> tuple[int, ...]:
+    """A head's token values from its per-run, per-lane sums (one per plan that holds the
+    head): summed, times the head's key."""
+    total = torch.stack(parts).sum(dim=0).remainder(PRIME).tolist()
+    head_keys = _head_keys(head)
+    return tuple(
+        ((run[0] * head_keys[0] % PRIME) << 31) | (run[1] * head_keys[1] % PRIME) for run in total
     )

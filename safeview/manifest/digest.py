@@ -1,7 +1,8 @@
 """A digest of what a request's KV bytes mean, not of the rows that hold them (issue 29).
 
 Two engines that hold the same request differently (prefill TP 2 and decode TP 4, 16-token and
-32-token blocks, token-major and head-major pages) hold different rows, so a checksum of rows
+32-token blocks, token-major and head-major pages, decode context parallelism on one side only)
+hold different rows, so a checksum of rows
 differs even when every value arrived. ``digest`` reads each side's pages through that side's
 own manifest and sums a value per **logical coordinate** instead: layer (by name), K or V,
 token position in the request, global KV head, element and byte of the element, and the
@@ -10,22 +11,31 @@ on both sides, whatever the split.
 
 ``safeview.digest(manifest, kv_caches, block_ids)`` -> ``Digest``: per layer, per global head
 (``-1`` for a layer without heads: an MLA latent, a state) one 62-bit value; a rank holds the
-heads it holds, so the digests of P's ranks combine and each D rank compares only its heads.
+heads (and, under context parallelism, the tokens) it holds, so the digests of P's ranks
+combine and each D rank compares only its heads (its tokens, where both sides split them alike;
+else all of D's context-parallel ranks together).
 ``safeview.verify(sent, received)`` -> findings (``digest``, ``digest_unmatched``), empty when
 the meaning agrees, first layer first. ``Digest.to_wire()`` is a few bytes per (layer, head)
 and a compressed header; ``Digest.from_wire`` refuses anything else in one ``ManifestError``,
 its work bounded before it is done (the payload, the inflated header, the counts).
 
 The value of a (layer, head), two lanes of arithmetic modulo the prime ``p = 2**31 - 1``
-(scheme ``sv-digest-2``)::
+(scheme ``sv-digest-3``)::
 
-    lane(layer, head) = key(layer) * ( key(dtype)
-                        + key(head) * sum over K/V, positions < num_tokens, pieces
-                          of  key(kv) * key(position) * key(piece) * <row bytes, R[:, lane]> )
+    lane(layer, head) = key(layer) * ( [c == 0] * key(dtype)
+                        + key(head) * sum over K/V, positions g < num_tokens held, pieces
+                          of  key(kv) * key(g) * key(piece) * <row bytes, R[:, lane]> )
 
-A row is one (K/V, token, head) vector of elements, as int8 bytes (a row of more than 32 KiB
-is cut into equal pieces); ``R`` is a fixed int8 matrix whose entries are never 0 and whose
-lane pairs ``(R[j, 0], R[j, 1])`` differ for every byte ``j`` of a row. Every key is in
+A row is one (K/V, token, head) vector of elements, as int8 bytes (a row of more than 16 KiB
+is cut into equal pieces); ``R`` is a fixed int8 matrix whose entries are never 0, at most 64
+in magnitude (so that CPUs whose int8 product adds pairs of products into int16 compute it
+exactly), and whose lane pairs ``(R[j, 0], R[j, 1])`` differ for every byte ``j`` of a row.
+``g`` is the token's position in the request: under context parallelism (``W`` ranks,
+interleave ``I``) a rank's slot ``s`` of the request's block ``b`` holds position
+``b * T * W + ((s // I) * W + c) * I + s % I``, ``c`` the rank's context-parallel position
+(``pcp_rank * dcp_size + dcp_rank``); without it, ``b * T + s``. Only the rank at ``c == 0``
+adds the element type's key, so the values of a side's ``W`` ranks add up, lane by lane, to
+the value of the whole request (``combine_lanes``), whatever the split. Every key is in
 ``[1, p)``. Hence, exactly, not by chance: one changed byte changes the value (a change ``d``
 of one byte changes the lane by ``key * d * R[j]``, a product of nonzeros below ``p``); two
 bytes of a row swapped change it; a row moved to another position, K/V, head or layer changes
@@ -34,9 +44,16 @@ it; the same bytes read as another element type (``float8_e4m3fn`` pages copied 
 (the value moves by ``key(layer) * (key(dtype) - key(dtype'))``, nonzero: every element type
 safeview knows has its own key in both lanes). Any other fault matches by chance with
 probability about ``2**-62`` per (layer, head) (two lanes, each a sum with pseudo-random keys
-modulo a prime). Bytes past ``num_tokens`` in the last block are not meaning and are not read
-into the value. Digests of another scheme (``sv-digest-1``, which had no element type) are
-never compared: ``from_wire`` refuses them, ``verify`` says them not compared.
+modulo a prime). Bytes past ``num_tokens`` (in the last block, on any rank) are not meaning and
+are not read into the value.
+
+**Token values**, to name where two sides differ: per head and run of ``chunk_tokens(n)``
+positions (16, or a larger power of two that cuts the request into at most 64 runs), the same
+sum over every layer digested (each row also times ``key(layer)``), times ``key(head)``, with no
+element type. ``verify`` names the first run whose token values differ for a head it finds
+different (where both sides digested the same layers). Digests of another scheme
+(``sv-digest-1`` and ``sv-digest-2``, earlier releases) are never compared: ``from_wire``
+refuses them, ``verify`` says them not compared.
 
 What it cannot see: a fault before the sender's digest (the sender digests what it holds), a
 fault that leaves every value as it was (a value rewritten with itself), and a layer, head or
@@ -68,6 +85,8 @@ from safeview.manifest._digest_model import (
     NO_HEAD,
     PRIME,
     Digest,
+    chunk_tokens,
+    combine_lanes,
     key,
     layer_key,
     piece_count,
@@ -90,6 +109,8 @@ __all__ = [
     "PRIME",
     "Digest",
     "DigestSampling",
+    "chunk_tokens",
+    "combine_lanes",
     "digest",
     "digest_sampling",
     "judge",
@@ -141,13 +162,17 @@ def _group(digests: Any, side: str) -> list[Digest]:
     raise ArgumentError(f"{side} is {shown}, not a Digest or a non-empty sequence of Digests")
 
 
+_Key = tuple[str, int, int]  # (layer, head, context-parallel rank; -1 once combined)
+
+
 def _merged(
     group: list[Digest], side: str, findings: list[Finding]
-) -> tuple[dict[tuple[str, int], tuple[int, int]], list[str], dict[str, str]]:
-    """One side's values by (layer, head), with the rank that gave each; layers in first-seen
-    order; the element type each layer was read as, where said. Two ranks of one side that hold
-    one head (replicated heads) and disagree about it are a finding of their own."""
-    merged: dict[tuple[str, int], tuple[int, int]] = {}
+) -> tuple[dict[_Key, tuple[int, int]], list[str], dict[str, str]]:
+    """One side's values by (layer, head, context-parallel rank), with the TP rank that gave
+    each; layers in first-seen order; the element type each layer was read as, where said. Two
+    ranks of one side that hold one head of the same tokens (replicated heads) and disagree
+    about it are a finding of their own."""
+    merged: dict[_Key, tuple[int, int]] = {}
     order: list[str] = []
     dtypes: dict[str, str] = {}
     for one in group:
@@ -156,7 +181,7 @@ def _merged(
             if layer not in order:
                 order.append(layer)
             for head, value in per_head.items():
-                known = merged.setdefault((layer, head), (value, one.tp_rank))
+                known = merged.setdefault((layer, head, one.cp_rank), (value, one.tp_rank))
                 if known[0] != value:
                     findings.append(
                         Finding.digest_mismatch(
@@ -165,10 +190,57 @@ def _merged(
                             receiver_rank=one.tp_rank if side == "received" else None,
                             sender_ranks=(known[1], one.tp_rank) if side == "sent" else (),
                             message=f"{layer}: the {side} side's ranks {known[1]} and "
-                            f"{one.tp_rank} hold head {_head(head)} and digest it differently",
+                            f"{one.tp_rank} hold head {_head(head)}{_cp(one)} and digest it "
+                            "differently",
                         )
                     )
     return merged, order, dtypes
+
+
+def _cp(one: Digest) -> str:
+    if one.cp_size == 1:
+        return ""
+    return f" (context-parallel rank {one.cp_rank} of {one.cp_size})"
+
+
+def _tokens_merged(group: list[Digest]) -> dict[tuple[int, int], tuple[int, ...]]:
+    """One side's token values by (head, context-parallel rank) (replicas agree, or the
+    (layer, head) values already say they do not)."""
+    found: dict[tuple[int, int], tuple[int, ...]] = {}
+    for one in group:
+        for head, runs in one.tokens.items():
+            found.setdefault((head, one.cp_rank), runs)
+    return found
+
+
+def _split(group: list[Digest]) -> set[tuple[int, int]]:
+    return {(d.cp_size, d.cp_interleave if d.cp_size > 1 else 1) for d in group}
+
+
+def _combine(
+    merged: dict[_Key, tuple[int, int]],
+    tokens: dict[tuple[int, int], tuple[int, ...]],
+    cp_size: int,
+) -> tuple[dict[_Key, tuple[int, int]], dict[tuple[int, int], tuple[int, ...]], set[_Key]]:
+    """A side's values of its ``cp_size`` context-parallel ranks added up into the request's
+    (``combine_lanes``), keyed with rank ``-1``; the (layer, head)s some rank did not give
+    (not all of the request's tokens: not comparable), apart."""
+    whole: dict[_Key, tuple[int, int]] = {}
+    missing: set[_Key] = set()
+    for layer, head in dict.fromkeys((layer, head) for layer, head, _ in merged):
+        parts = [merged.get((layer, head, rank)) for rank in range(cp_size)]
+        if any(part is None for part in parts):
+            missing.add((layer, head, -1))
+            continue
+        given = [part for part in parts if part is not None]
+        whole[layer, head, -1] = (combine_lanes(v for v, _ in given), given[0][1])
+    runs: dict[tuple[int, int], tuple[int, ...]] = {}
+    for head in dict.fromkeys(head for head, _ in tokens):
+        per_rank = [tokens.get((head, rank)) for rank in range(cp_size)]
+        if all(r is not None for r in per_rank):
+            columns = zip(*(r for r in per_rank if r is not None))
+            runs[head, -1] = tuple(combine_lanes(column) for column in columns)
+    return whole, runs, missing
 
 
 def _unmatched(sent: list[Digest], received: list[Digest]) -> Finding | None:
@@ -197,11 +269,18 @@ def verify(sent: Digest | Sequence[Digest], received: Digest | Sequence[Digest])
     """Compare what a sender digested with what a receiver holds: each a ``Digest`` or one per
     rank (P's ranks combine; pass only the D ranks to be judged). Every (layer, head) the
     receiver digested is compared with the sender's; a layer's heads that differ make one
-    ``digest`` finding naming them (and both element types, where the two sides read the layer
-    as different ones), first layer first; a (layer, head) no sender digest holds makes a
+    ``digest`` finding naming them, the first tokens that differ (where both sides digested
+    the same layers) and both element types where the two sides read the layer as different
+    ones, first layer first; a (layer, head) no sender digest holds makes a
     ``digest_unmatched`` finding; different token counts, or digests of two schemes, one
     ``digest_unmatched`` finding and nothing else. Empty when the meaning agrees.
-    ``ArgumentError`` for a side that is not a ``Digest`` or a non-empty sequence of them."""
+
+    Context parallelism: where both sides split the request's tokens alike (the same
+    context-parallel size and interleave), each rank's values are compared with the other
+    side's rank of that position; otherwise each side's context-parallel ranks are added up
+    into the request's values first, and a (layer, head) some of a side's ranks did not give
+    is ``digest_unmatched`` (not all of its tokens). ``ArgumentError`` for a side that is not
+    a ``Digest`` or a non-empty sequence of them."""
     sent_group, received_group = _group(sent, "sent"), _group(received, "received")
     unmatched = _unmatched(sent_group, received_group)
     if unmatched is not None:
@@ -209,43 +288,118 @@ def verify(sent: Digest | Sequence[Digest], received: Digest | Sequence[Digest])
     findings: list[Finding] = []
     theirs, _, their_types = _merged(sent_group, "sent", findings)
     ours, order, our_types = _merged(received_group, "received", findings)
-    received_ranks: dict[tuple[str, int], int] = {k: rank for k, (_, rank) in ours.items()}
-    for layer in order:
-        heads = sorted(h for (name, h) in ours if name == layer)
-        differ = [
-            h for h in heads if (layer, h) in theirs and theirs[layer, h][0] != ours[layer, h][0]
-        ]
-        absent = [h for h in heads if (layer, h) not in theirs]
-        if differ:
-            ranks = tuple(sorted({theirs[layer, h][1] for h in differ}))
-            types = (their_types.get(layer), our_types.get(layer))
-            typed = (
-                f"; the sender's elements are {types[0]}, the receiver's {types[1]}: the same "
-                "bytes are other values"
-                if None not in types and types[0] != types[1]
-                else ""
-            )
-            findings.append(
-                Finding.digest_mismatch(
-                    layer,
-                    heads=tuple(differ),
-                    receiver_rank=received_ranks[layer, differ[0]],
-                    sender_ranks=ranks,
-                    message=f"{layer}: {_heads(differ)} read differently from what the sender "
-                    f"digested (sender rank {', '.join(map(str, ranks))}, receiver rank "
-                    f"{received_ranks[layer, differ[0]]}){typed}",
+    their_runs, our_runs = _tokens_merged(sent_group), _tokens_merged(received_group)
+    splits = _split(sent_group) | _split(received_group)
+    incomplete: set[_Key] = set()
+    if len(splits) > 1:  # added up per side, then compared
+        sent_size = next(iter(_split(sent_group)))[0] if len(_split(sent_group)) == 1 else 0
+        received_size = (
+            next(iter(_split(received_group)))[0] if len(_split(received_group)) == 1 else 0
+        )
+        if not sent_size or not received_size:
+            return [
+                Finding.digest_unmatched(
+                    None,
+                    heads=(),
+                    message="one side's digests split the request's tokens in different "
+                    "context-parallel ways: not compared",
                 )
-            )
+            ]
+        theirs, their_runs, _ = _combine(theirs, their_runs, sent_size)
+        ours, our_runs, incomplete = _combine(ours, our_runs, received_size)
+    same_layers = len({frozenset(d.values) for d in sent_group + received_group}) == 1
+    received_ranks: dict[_Key, int] = {k: rank for k, (_, rank) in ours.items()}
+    for layer in order:
+        keys = sorted(k for k in ours if k[0] == layer)
+        differ = [k for k in keys if k in theirs and theirs[k][0] != ours[k][0]]
+        absent = [k for k in keys if k not in theirs]
+        absent += sorted(k for k in incomplete if k[0] == layer)
+        if differ:
+            findings.append(
+                _mismatch(
+                    layer, differ, theirs, received_ranks, (their_types, our_types),
+                    (their_runs, our_runs) if same_layers else None,
+                    sent_group[0].num_tokens,
+                )
+            )  # fmt: skip
         if absent:
+            heads = tuple(sorted({head for _, head, _ in absent}))
+            why = (
+                "are in no sender digest given"
+                if not incomplete
+                else "are in no sender digest given, or not in every context-parallel rank of "
+                "the receiver given (not all of the request's tokens)"
+            )
             findings.append(
                 Finding.digest_unmatched(
                     layer,
-                    heads=tuple(absent),
-                    message=f"{layer}: {_heads(absent)} of the receiver are in no sender digest "
-                    "given: not compared",
+                    heads=heads,
+                    message=f"{layer}: {_heads(heads)} of the receiver {why}: not compared",
                 )
             )
     return findings
+
+
+def _mismatch(
+    layer: str,
+    differ: list[_Key],
+    theirs: dict[_Key, tuple[int, int]],
+    received_ranks: dict[_Key, int],
+    types: tuple[dict[str, str], dict[str, str]],
+    runs: tuple[dict[tuple[int, int], tuple[int, ...]], ...] | None,
+    num_tokens: int,
+) -> Finding:
+    """One ``digest`` finding for ``layer``'s (head, context-parallel rank)s that differ."""
+    heads = tuple(dict.fromkeys(head for _, head, _ in differ))
+    ranks = tuple(sorted({theirs[k][1] for k in differ}))
+    their_type, our_type = types[0].get(layer), types[1].get(layer)
+    typed = (
+        f"; the sender's elements are {their_type}, the receiver's {our_type}: the same "
+        "bytes are other values"
+        if their_type is not None and our_type is not None and their_type != our_type
+        else ""
+    )
+    tokens = _first_tokens(differ, runs, num_tokens)
+    where = ""
+    if tokens is not None:
+        first, last = tokens[1]
+        where = (
+            f"; head {_head(tokens[0])}'s first tokens that differ are {first:,} to {last:,} "
+            f"(of {num_tokens:,}, every layer together)"
+        )
+    ranked = [k[2] for k in differ if k[2] >= 0]
+    cp = f", context-parallel rank {ranked[0]}" if ranked else ""
+    return Finding.digest_mismatch(
+        layer,
+        heads=heads,
+        receiver_rank=received_ranks[differ[0]],
+        sender_ranks=ranks,
+        tokens=None if tokens is None else tokens[1],
+        message=f"{layer}: {_heads(heads)} read differently from what the sender digested "
+        f"(sender rank {', '.join(map(str, ranks))}, receiver rank "
+        f"{received_ranks[differ[0]]}{cp}){where}{typed}",
+    )
+
+
+def _first_tokens(
+    differ: list[_Key],
+    runs: tuple[dict[tuple[int, int], tuple[int, ...]], ...] | None,
+    num_tokens: int,
+) -> tuple[int, tuple[int, int]] | None:
+    """The head and the first run of tokens (first, last) whose token values differ, among
+    ``differ``'s; ``None`` where the token values do not tell."""
+    if runs is None:
+        return None
+    size = chunk_tokens(num_tokens)
+    best: tuple[int, tuple[int, int]] | None = None
+    for _, head, rank in differ:
+        theirs, ours = runs[0].get((head, rank)), runs[1].get((head, rank))
+        if theirs is None or ours is None or len(theirs) != len(ours):
+            continue
+        run = next((at for at, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+        if run is not None and (best is None or run * size < best[1][0]):
+            best = (head, (run * size, min((run + 1) * size, num_tokens) - 1))
+    return best
 
 
 def judge(

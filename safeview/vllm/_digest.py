@@ -459,6 +459,18 @@ class DigestWorker:
         except Exception as error:
             self._not_judged(request, meta, str(error))
             return None
+        splits = {(d.cp_size, d.cp_interleave) for d in sent}
+        if mine.cp_size > 1 and splits != {(mine.cp_size, mine.cp_interleave)}:
+            # this rank holds some of the request's tokens, and P's ranks hold others: only
+            # all of D's context-parallel ranks together are the request
+            self._not_judged(
+                request,
+                meta,
+                f"D's rank holds context-parallel part {mine.cp_rank} of {mine.cp_size} of the "
+                "request's tokens and P's ranks split them otherwise: one D rank alone is not "
+                "compared",
+            )
+            return None
         return judge(sent, mine, policy=self.policy, request=request, **self._fields(meta))
 
     def _not_judged(self, request: str, meta: Any, reason: str) -> None:
