@@ -784,7 +784,7 @@ def digest(
             plans[shape] = (_Plan(layer, len(ids), num_tokens, place, tensor.device), [])
         plans[shape][1].append((name, layer, tensor))
     chunks = -(-num_tokens // chunk_tokens(num_tokens))
-    by_head: dict[int, list[torch.Tensor]] = {}
+    token_parts: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}  # by device
     for shape, (plan, members) in plans.items():
         gather = ids_tensors.get(shape[-1])
         device = members[0][2].device
@@ -793,8 +793,7 @@ def digest(
         found = _plan_sums(members, runs, gather, plan, len(ids), token_sums)
         for (name, _, _), total in zip(members, found):
             sums[name] = (total, plan.heads)
-        for at, head in enumerate(plan.heads):
-            by_head.setdefault(head, []).append(token_sums[at, :chunks].cpu())
+        token_parts.setdefault(str(device), []).append((plan.heads, token_sums[:, :chunks]))
     # one transfer to the host per device, after every layer's work is queued (a per-layer
     # transfer would wait for each layer's kernels in turn on a GPU)
     by_device: dict[str, list[str]] = {}
@@ -811,7 +810,15 @@ def digest(
             at += len(heads)
     values = {name: values[name] for name in names}  # the manifest's order
     dtypes = {name: manifest.layers[name].dtype for name in names}
-    token_values = {head: _token_values(head, parts) for head, parts in sorted(by_head.items())}
+    by_head: dict[int, list[list[list[int]]]] = {}
+    for parts in token_parts.values():  # one transfer to the host per device, as above
+        host = torch.cat([sums for _, sums in parts]).tolist()
+        at = 0
+        for heads_of_plan, _ in parts:
+            for head in heads_of_plan:
+                by_head.setdefault(head, []).append(host[at])
+                at += 1
+    token_values = {head: _token_values(head, runs) for head, runs in sorted(by_head.items())}
     return Digest(
         num_tokens,
         values,
@@ -826,11 +833,13 @@ def digest(
     )
 
 
-def _token_values(head: int, parts: list[torch.Tensor]) -> tuple[int, ...]:
+def _token_values(head: int, parts: list[list[list[int]]]) -> tuple[int, ...]:
     """A head's token values from its per-run, per-lane sums (one per plan that holds the
     head): summed, times the head's key."""
-    total = torch.stack(parts).sum(dim=0).remainder(PRIME).tolist()
     head_keys = _head_keys(head)
-    return tuple(
-        ((run[0] * head_keys[0] % PRIME) << 31) | (run[1] * head_keys[1] % PRIME) for run in total
-    )
+    values = []
+    for runs in zip(*parts):
+        lanes = [sum(run[lane] for run in runs) % PRIME * head_keys[lane] % PRIME
+                 for lane in range(LANES)]  # fmt: skip
+        values.append((lanes[0] << 31) | lanes[1])
+    return tuple(values)
