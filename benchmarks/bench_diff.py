@@ -10,6 +10,9 @@
    four-argument ``set_`` per layer, as vLLM 0.33's offloading worker) under ``sanitize()``.
    The issue's target: describing adds at most 5% to it. The real worker does more than this
    loop (``docs/costs.md``: about 10 ms for 101 layers), so the figure here is an upper bound.
+3. Parts (issue 37): ``describe`` of 100 per-token-head layers with their parts against the
+   same without (target: at most 1.2x), and ``diff`` of two 1,000-layer manifests with parts
+   whose scales differ (target: under a second).
 
 Each figure is the median over rounds. Run: python benchmarks/bench_diff.py [--rounds 21]
 """
@@ -132,6 +135,7 @@ def main() -> int:
         )
         verdicts.append((f"{what} / guarded registration, 100 layers", share, 0.05))
     shutil.rmtree(folder, ignore_errors=True)
+    verdicts += _parts_figures(rounds)
 
     failed = 0
     for name, figure, limit in verdicts:
@@ -139,6 +143,61 @@ def main() -> int:
         failed += not ok
         print(f"{'PASS' if ok else 'FAIL'} {name}: {figure:.3f} (limit {limit})")
     return 1 if failed else 0
+
+
+def _parts_figures(rounds: int) -> list[tuple[str, float, float]]:
+    """Issue 37: ``describe`` of 100 per-token-head layers (vLLM's int8 rows of 128 values and
+    an fp32 scale) with their parts against the same without (target: at most 1.2x), and
+    ``diff`` of two 1,000-layer manifests with parts whose scales differ in dtype (1,000
+    findings; target: under a second)."""
+    row = HEAD_SIZE + 4
+    parts = [
+        {"name": "data", "offset_bytes": 0, "length_bytes": HEAD_SIZE, "dtype": "int8"},
+        {"name": "scale", "role": "scale", "offset_bytes": HEAD_SIZE, "length_bytes": 4,
+         "dtype": "float32", "granularity": "token_head"},
+    ]  # fmt: skip
+    page = HEADS * TOKENS * 2 * row
+    raw = torch.empty(1000 * BLOCKS * page, dtype=torch.int8, device="meta")
+    caches = {
+        f"model.layers.{i}.self_attn": torch.as_strided(
+            raw, (BLOCKS, HEADS, TOKENS, 2 * row), (page, TOKENS * 2 * row, 2 * row, 1),
+            i * BLOCKS * page,
+        )
+        for i in range(1000)
+    }  # fmt: skip
+    hundred = dict(list(caches.items())[:100])
+
+    def plain() -> object:
+        return safeview.describe(hundred, axes=vllm_axes())
+
+    def with_parts() -> object:
+        return safeview.describe(hundred, axes=vllm_axes(), parts=parts)
+
+    plain(), with_parts()
+    ratios = []
+    for _ in range(rounds * 4):
+        start = time.perf_counter()
+        plain()
+        middle = time.perf_counter()
+        with_parts()
+        ratios.append((time.perf_counter() - middle) / (middle - start))
+    ratio = statistics.median(ratios)
+    print(f"  describe of 100 layers with parts / without: {ratio:.2f}x ({rounds * 4} rounds)")
+    sender = safeview.describe(caches, axes=vllm_axes(), parts=parts)
+    other = [parts[0], {**parts[1], "dtype": "int32"}]
+    receiver = safeview.describe(caches, axes=vllm_axes(), parts=other)
+    from safeview.manifest import diff as diff_module
+
+    def compared() -> object:
+        diff_module._CACHE.clear()  # each round pays for its page comparison
+        return safeview.diff(sender, receiver)
+
+    seconds = median_s(compared, rounds)
+    print(f"  diff of two 1,000-layer manifests with parts, scales differ: {seconds * 1e3:.1f} ms")
+    return [
+        ("describe with parts / without, 100 layers", ratio, 1.2),
+        ("diff 1,000 layers with parts, in memory (s)", seconds, 1.0),
+    ]
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -160,6 +160,30 @@ def _levels(strict: bool) -> int:
     return logging.ERROR if strict else logging.WARNING
 
 
+# -- counting verdicts, whatever the log level -------------------------------------------------
+
+#: what counts events as they are announced (the vLLM plugin's metrics,
+#: ``safeview.vllm._metrics``): each is called with the event's name and its few label fields
+#: before the level decides whether the event is built, so that a count never depends on the
+#: log level; none by default, and then the events pay one falsy check
+_counters: list[Callable[[str, dict[str, Any]], None]] = []
+
+
+def add_counter(counter: Callable[[str, dict[str, Any]], None]) -> None:
+    """Have ``counter(event, labels)`` called for each verdict event (``layout_checked``,
+    ``layout_mismatch``, ``digest_checked``, ``digest_mismatch``, ``address_violation``,
+    ``internal_error``, ``integration_unavailable``), whatever the log level. Once per
+    counter; a counter that raises is ignored."""
+    if counter not in _counters:
+        _counters.append(counter)
+
+
+def _count(event: str, **labels: Any) -> None:
+    for counter in _counters:
+        with suppress(Exception):  # a count must never change what safeview does
+            counter(event, labels)
+
+
 # -- one builder per row of the event table ----------------------------------------------------
 
 
@@ -281,6 +305,8 @@ def address_violation(finding: Finding, *, strict: bool, policy: str, source: st
     """``address_violation`` (ERROR under strict, WARNING under warn): a descriptor for a transfer
     engine that misses the pages it must hit, or a region registered twice (a finding of
     ``safeview.transfer``); ``source`` is the call that checked it."""
+    if _counters:
+        _count("address_violation", kind=finding.kind, strict=strict, source=source)
     level = _levels(strict)
     if not stdlib_logger.isEnabledFor(level):
         return
@@ -506,6 +532,9 @@ def layout_checked(*, verdict: Literal["compatible", "not_judged"], **fields: An
     engine, a Mooncake receiver against a segment), whichever channel brought it (``against``),
     and found compatible, or left unjudged (``not_judged``, with the reason). ``fields``:
     ``_PAIR_KEYS`` (``remote_fingerprints``, ``layers`` and ``findings`` may be left out)."""
+    if _counters:
+        _count("layout_checked", verdict=verdict, when=fields.get("when"),
+               engine=fields.get("engine"), remote_engine=fields.get("remote_engine"))  # fmt: skip
     if stdlib_logger.isEnabledFor(logging.INFO):
         pair = _pair(fields)
         _emit(logging.INFO, {"event": "layout_checked", **pair, "verdict": verdict})
@@ -515,6 +544,10 @@ def layout_mismatch(finding: Any, *, strict: bool, refused: bool, **fields: Any)
     """``layout_mismatch`` (ERROR under strict, WARNING under warn): the two engines of a pair
     read a byte differently; ``finding`` is the first diff ``Finding``; ``fields`` as for
     ``layout_checked``."""
+    if _counters:
+        _count("layout_mismatch", verdict="refused" if refused else "mismatch",
+               when=fields.get("when"), engine=fields.get("engine"),
+               remote_engine=fields.get("remote_engine"))  # fmt: skip
     level = _levels(strict)
     if not stdlib_logger.isEnabledFor(level):
         return
@@ -546,6 +579,8 @@ def integration(
 ) -> None:
     """``integration_installed`` (INFO) and ``integration_unavailable`` (WARNING): what an engine
     integration (the vLLM plugin) did at start-up, and why."""
+    if _counters and event == "integration_unavailable":
+        _count(event, integration=integration)
     level = logging.INFO if event == "integration_installed" else logging.WARNING
     if not stdlib_logger.isEnabledFor(level):
         return
@@ -571,6 +606,8 @@ def digest_checked(*, verdict: Literal["agree", "not_judged"], **fields: Any) ->
     of a request was compared with what its sender digested (``safeview.manifest.digest.judge``:
     the vLLM plugin's decode worker after a READ), and found to mean the same, or could not be
     compared (``reason``). ``fields``: ``_DIGEST_KEYS``."""
+    if _counters:
+        _count("digest_checked", verdict=verdict)
     level = logging.INFO if verdict == "agree" else logging.WARNING
     if stdlib_logger.isEnabledFor(level):
         _emit(
@@ -586,6 +623,8 @@ def digest_checked(*, verdict: Literal["agree", "not_judged"], **fields: Any) ->
 def digest_mismatch(finding: Any, *, strict: bool, findings: int, **fields: Any) -> None:
     """``digest_mismatch`` (ERROR under strict, WARNING under warn): a receiver holds a request's
     bytes otherwise than its sender digested them; ``finding`` is the first of ``verify``'s."""
+    if _counters:
+        _count("digest_mismatch", verdict="refused" if strict else "mismatch")
     level = _levels(strict)
     if not stdlib_logger.isEnabledFor(level):
         return
@@ -606,9 +645,111 @@ def digest_mismatch(finding: Any, *, strict: bool, findings: int, **fields: Any)
     )
 
 
+def layout_judged(
+    *,
+    engine: str | None,
+    remote_engine: str,
+    remote_tp_rank: Any,
+    remote_tp_size: Any,
+    verdict: str,
+    fingerprints: Sequence[str],
+    remote_fingerprint: str,
+    policy: str,
+) -> None:
+    """``layout_judged`` (INFO for ``compatible`` and ``not_judged``, WARNING otherwise): on a
+    prefill engine (P), what a decode worker (D) found of their pair at its handshake, as D
+    told P's side channel: P's manifests D judged (``fingerprints``) and D's own
+    (``remote_fingerprint``), so that both sides' logs hold the pair's verdict."""
+    level = logging.INFO if verdict in ("compatible", "not_judged") else logging.WARNING
+    if not stdlib_logger.isEnabledFor(level):
+        return
+    _emit(
+        level,
+        {
+            "event": "layout_judged",
+            "engine": engine,
+            "remote_engine": remote_engine,
+            "remote_tp_rank": remote_tp_rank,
+            "remote_tp_size": remote_tp_size,
+            "verdict": verdict,
+            "fingerprints": list(fingerprints),
+            "remote_fingerprint": remote_fingerprint,
+            "policy": policy,
+        },
+    )
+
+
+def kv_not_received(
+    *,
+    engine: str | None,
+    tp_rank: int | None,
+    remote_engine: str | None,
+    request: str,
+    reason: Literal["refused", "read_failed", "not_read"],
+    outcome: Literal["recomputed", "failed"],
+    blocks_expected: int,
+    blocks_read: int,
+) -> None:
+    """``kv_not_received`` (WARNING): a decode engine did not use the KV a prefill engine
+    computed for a request (``safeview.vllm._metrics``): safeview refused it, the READ failed,
+    or it never ran; the request is recomputed or fails, as vLLM's ``kv_load_failure_policy``
+    says."""
+    if not stdlib_logger.isEnabledFor(logging.WARNING):
+        return
+    why = {
+        "refused": "safeview refused it (see the layout or digest event before)",
+        "read_failed": "its READ failed",
+        "not_read": "no READ of it was issued (the handshake with P failed, or P was unknown)",
+    }[reason]
+    _emit(
+        logging.WARNING,
+        {
+            "event": "kv_not_received",
+            "engine": engine,
+            "tp_rank": tp_rank,
+            "remote_engine": remote_engine,
+            "request": request,
+            "reason": reason,
+            "outcome": outcome,
+            "blocks_expected": blocks_expected,
+            "blocks_read": blocks_read,
+            "message": f"request {request}: the KV of {blocks_expected} block(s) from P "
+            f"{remote_engine} was not used: {why}; the prompt is "
+            + ("recomputed locally" if outcome == "recomputed" else "failed")
+            + " (kv_transfer_config.kv_load_failure_policy on D)",
+        },
+    )
+
+
+def kv_not_read(
+    *, engine: str | None, tp_rank: int | None, request: str, reads: int, lease_s: float | None
+) -> None:
+    """``kv_not_read`` (WARNING): a prefill engine freed a request's blocks, held for a decode
+    engine to read, when their lease ran out before every reader had read them
+    (``safeview.vllm._metrics``)."""
+    if not stdlib_logger.isEnabledFor(logging.WARNING):
+        return
+    _emit(
+        logging.WARNING,
+        {
+            "event": "kv_not_read",
+            "engine": engine,
+            "tp_rank": tp_rank,
+            "request": request,
+            "reads": reads,
+            "lease_s": lease_s,
+            "message": f"request {request}: P freed its KV blocks when their lease ran out, "
+            f"read by {reads} decode worker(s) before (D never asked for them, was refused, "
+            "or came too late: kv_connector_extra_config.kv_lease_duration on P)",
+        },
+    )
+
+
 def internal_error(*, where: str, error: BaseException) -> None:
     """``internal_error`` (WARNING): safeview itself failed where it must not stop its host (the
     sanitizer, a plugin); the host's operation went on unchecked."""
+    if _counters:
+        _count("internal_error", where=where)
     if not stdlib_logger.isEnabledFor(logging.WARNING):
         return
     _emit(

@@ -1,8 +1,9 @@
 """A prefill (P) and a decode (D) process of SGLang 0.5.23's disaggregation on CPU, moving real
 KV bytes over Mooncake TCP with SGLang's own managers (``tests/test_sglang.py`` runs them).
 
-Run as ``python tests/sglang_harness.py ROLE PORT CASES_JSON``; ROLE ``prefill`` or ``decode``
-(a pair, below), ``pools`` (SGLang's pools and their manifests, for ``describe_pool``) or
+Run as ``python tests/sglang_harness.py ROLE PORT CASES_JSON [RANK]``; ROLE ``prefill`` or
+``decode`` (a pair, below; RANK the attention-TP rank of a side whose ``tp_size`` is more
+than 1), ``pools`` (SGLang's pools and their manifests, for ``describe_pool``) or
 ``register`` (a decode manager over a region SGLang reports too long). Each process publishes
 SGLang's ``ServerArgs`` (``device="cpu"``, ``disaggregation_transfer_backend="mooncake"``,
 ``page_size=4``), builds a CPU ``MHATokenToKVPool``, fills ``KVArgs`` as SGLang's ``prefill.py``
@@ -30,6 +31,7 @@ What stands in for what SGLang would have (nothing else is changed):
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -114,7 +116,7 @@ def _stand_ins() -> None:
 # -- one side ----------------------------------------------------------------------------------
 
 
-def _server_args(mode: str, port: int) -> Any:
+def _server_args(mode: str, port: int, tp_size: int = 1, rank: int = 0) -> Any:
     from sglang.srt import runtime_context  # type: ignore[import-not-found,unused-ignore]
     from sglang.srt.server_args import ServerArgs  # type: ignore[import-not-found,unused-ignore]
 
@@ -126,10 +128,12 @@ def _server_args(mode: str, port: int) -> Any:
         disaggregation_bootstrap_port=port,
         host="127.0.0.1",
         page_size=PAGE_SIZE,
+        tp_size=tp_size,
     )
-    # one scheduler process, rank 0 of one: its place, as SGLang's launcher gives it
+    # one scheduler process, rank ``rank`` of ``tp_size``: its place, as SGLang's launcher
+    # gives it (attention TP is the TP here: one attention DP group, no CP)
     runtime_context.publish(
-        args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0, gpu_id=0)
+        args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=rank, gpu_id=0)
     )
     # the pp_group stand-in: torch.distributed's groups are never built here, and with one
     # pipeline stage the prefill manager never uses the group it stores
@@ -159,14 +163,16 @@ def _pool(case: dict[str, Any]) -> Any:
     )
 
 
-def _manager(pool: Any, mode: str, server_args: Any, total_heads: int, extra_pages: int = 0) -> Any:
+def _manager(
+    pool: Any, mode: str, server_args: Any, total_heads: int, extra_pages: int = 0, rank: int = 0
+) -> Any:
     import torch
     from sglang.srt.disaggregation.base.conn import KVArgs  # type: ignore[import-not-found,unused-ignore]
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager  # type: ignore[import-not-found,unused-ignore]
     from sglang.srt.disaggregation.utils import DisaggregationMode, get_kv_transfer_buf_infos  # type: ignore[import-not-found,unused-ignore]
 
     kv_args = KVArgs()
-    kv_args.engine_rank = 0
+    kv_args.engine_rank = rank
     kv_args.pp_rank = 0
     kv_args.system_dp_rank = 0
     kv_args.rust_http_port = None
@@ -251,18 +257,70 @@ def _wait(poll: Any, wanted: set[str], deadline: float) -> str:
         time.sleep(0.02)
 
 
-def prefill(port: int, cases: list[dict[str, Any]]) -> None:
+def _tp(side: dict[str, Any]) -> int:
+    return int(side.get("tp_size", 1))
+
+
+def _total_heads(side: dict[str, Any]) -> int:
+    """The model's KV heads: ``total_heads``, else this rank's times the TP size."""
+    return int(side.get("total_heads", int(side.get("heads", 4)) * _tp(side)))
+
+
+def _meaning_pattern(pool: Any, pages: list[int], heads: list[int]) -> None:
+    """Write into ``pages`` of every K and V buffer of ``pool`` a byte that says what it is:
+    the buffer, the page's place in the request, the token, the global KV head (``heads``: this
+    rank's) and the byte in the head (``_meaning_byte``). Any TP split of the same model writes
+    the same byte for the same meaning."""
+    import torch
+
+    for index, buffer in enumerate([*pool.k_buffer, *pool.v_buffer]):
+        raw = buffer.view(torch.uint8).view(buffer.shape[0], len(heads), -1)
+        for place, page in enumerate(pages):
+            rows = raw[page * PAGE_SIZE : (page + 1) * PAGE_SIZE]
+            rows.copy_(_meaning_bytes(index, place, heads, rows.shape[-1]))
+
+
+def _meaning_bytes(index: int, place: int, heads: list[int], head_bytes: int) -> Any:
+    import torch
+
+    token = torch.arange(PAGE_SIZE).view(-1, 1, 1)
+    head = torch.tensor(heads).view(1, -1, 1)
+    byte = torch.arange(head_bytes).view(1, 1, -1)
+    code = index * 31 + place * 13 + token * 7 + head * 5 + byte * 3
+    return (code % 251 + 1).to(torch.uint8)
+
+
+def _meaning_mismatches(pool: Any, pages: list[int], heads: list[int]) -> int:
+    """How many bytes of ``pages`` differ from what ``_meaning_pattern`` writes for them."""
+    import torch
+
+    wrong = 0
+    for index, buffer in enumerate([*pool.k_buffer, *pool.v_buffer]):
+        raw = buffer.view(torch.uint8).view(buffer.shape[0], len(heads), -1)
+        for place, page in enumerate(pages):
+            rows = raw[page * PAGE_SIZE : (page + 1) * PAGE_SIZE]
+            wrong += int((rows != _meaning_bytes(index, place, heads, rows.shape[-1])).sum())
+    return wrong
+
+
+def _heads_of(side: dict[str, Any], rank: int) -> list[int]:
+    count = int(side.get("heads", 4))
+    return list(range(rank * count, (rank + 1) * count))
+
+
+def prefill(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
     import numpy as np
     from sglang.srt.disaggregation.mooncake.conn import (  # type: ignore[import-not-found,unused-ignore]
         MooncakeKVBootstrapServer,
         MooncakeKVSender,
     )
 
-    MooncakeKVBootstrapServer("127.0.0.1", port)
-    server_args = _server_args("prefill", port)
     layout = cases[0]["prefill"]
+    if rank == 0:  # one bootstrap server for P's ranks, as SGLang's launcher starts one
+        MooncakeKVBootstrapServer("127.0.0.1", port)
+    server_args = _server_args("prefill", port, _tp(layout), rank)
     pool = _pool(layout)
-    manager = _manager(pool, "prefill", server_args, int(layout.get("heads", 4)))
+    manager = _manager(pool, "prefill", server_args, _total_heads(layout), rank=rank)
     print(json.dumps({"side": "prefill", "ready": True}), flush=True)
     for room, case in enumerate(cases, start=1):
         sender = MooncakeKVSender(manager, f"127.0.0.1:{port}", room)
@@ -271,7 +329,10 @@ def prefill(port: int, cases: list[dict[str, Any]]) -> None:
         result: dict[str, Any] = {"side": "prefill", "case": case["name"], "bootstrap": state}
         if state == "WaitingForInput":
             pages = case["src_pages"]
-            _pattern(pool, pages)
+            if case.get("by_meaning"):
+                _meaning_pattern(pool, pages, _heads_of(layout, rank))
+            else:
+                _pattern(pool, pages)
             result["sent"] = _page_bytes(pool, pages)
             sender.init(len(pages), 0)
             sender.send(np.array(pages, dtype=np.int32))
@@ -280,6 +341,7 @@ def prefill(port: int, cases: list[dict[str, Any]]) -> None:
                 result["reason"] = _reason(sender)
         result["events"] = _new_events()
         print(json.dumps(result), flush=True)
+        _done(room, rank)
     time.sleep(1.0)  # let D read the last status
     sys.stdout.flush()
     os._exit(0)
@@ -293,15 +355,45 @@ def _reason(party: Any) -> str:
     return ""
 
 
-def decode(port: int, cases: list[dict[str, Any]]) -> None:
+def _done(room: int, rank: int) -> None:
+    """Say that P rank ``rank`` is through with ``room`` (``SAFEVIEW_HARNESS_SYNC``)."""
+    folder = os.environ.get("SAFEVIEW_HARNESS_SYNC")
+    if folder:
+        (Path(folder) / f"prefill-{room}-{rank}").touch()
+
+
+def _wait_prefill(room: int, ranks: int) -> None:
+    """Wait until every P rank is through with ``room``: D's managers of one process share
+    one Mooncake session, and P keeps its verdict per session, so the next case's D must not
+    register before P has failed or finished this one."""
+    folder = os.environ.get("SAFEVIEW_HARNESS_SYNC")
+    deadline = time.monotonic() + TIMEOUT_S
+    while folder and time.monotonic() < deadline:
+        if all((Path(folder) / f"prefill-{room}-{rank}").exists() for rank in range(ranks)):
+            return
+        time.sleep(0.02)
+
+
+def _cut_short(wire: Any, length: int, manifest: Any) -> bytes:
+    return bytes(wire(manifest))[:length]
+
+
+def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
     import numpy as np
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver  # type: ignore[import-not-found,unused-ignore]
 
-    server_args = _server_args("decode", port)
+    server_args = _server_args("decode", port, _tp(cases[0]["decode"]), rank)
     for room, case in enumerate(cases, start=1):
+        if room > 1:
+            _wait_prefill(room - 1, _tp(cases[0]["prefill"]))
         pool = _pool(case["decode"])
         _KEEP.append(pool)
-        manager = _manager(pool, "decode", server_args, int(case["decode"].get("heads", 4)))
+        forged = case.get("forge_manifest")
+        if forged:  # the manifest frame this D sends, for this case, is cut short (forged)
+            judged = sys.modules["safeview.sglang._mooncake"]
+            sent = judged.to_wire
+            setattr(judged, "to_wire", functools.partial(_cut_short, sent, int(forged)))  # noqa: B010
+        manager = _manager(pool, "decode", server_args, _total_heads(case["decode"]), rank=rank)
         _KEEP.append(manager)
         deadline = time.monotonic() + TIMEOUT_S
         address = f"127.0.0.1:{port}"
@@ -318,6 +410,11 @@ def decode(port: int, cases: list[dict[str, Any]]) -> None:
             result["reason"] = _reason(receiver)
         result["received"] = _page_bytes(pool, pages)
         result["nonzero_bytes"] = _nonzero(pool)
+        if forged:
+            setattr(judged, "to_wire", sent)  # noqa: B010
+        if case.get("by_meaning"):
+            heads = _heads_of(case["decode"], rank)
+            result["wrong_bytes"] = _meaning_mismatches(pool, pages, heads)
         result["events"] = _new_events()
         print(json.dumps(result), flush=True)
     sys.stdout.flush()
@@ -371,6 +468,37 @@ def pools(cases: list[dict[str, Any]]) -> None:
     os._exit(0)
 
 
+def state_pools() -> None:
+    """SGLang's sliding-window pool (``SWAKVPool``) on CPU, its KV and state buffers asked for
+    as the prefill's ``KVArgs`` asks: one JSON line, what ``describe_pool`` says of it and of
+    its full-attention pool, and safeview's events."""
+    import torch
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # type: ignore[import-not-found,unused-ignore]
+
+    import safeview.sglang
+
+    pool = SWAKVPool(
+        size=POOL_TOKENS, size_swa=POOL_TOKENS // 2, page_size=PAGE_SIZE, dtype=torch.bfloat16,
+        head_num=4, head_dim=16, swa_attention_layer_ids=[0, 2],
+        full_attention_layer_ids=[1, 3], device="cpu", enable_memory_saver=False,
+    )  # fmt: skip
+    kv = pool.get_contiguous_buf_infos()
+    state = pool.get_state_buf_infos()
+    result: dict[str, Any] = {"kv_regions": len(kv[0]), "state_regions": len(state[0])}
+    try:
+        safeview.sglang.describe_pool(pool)
+    except Exception as refused:
+        result["refused"] = f"{type(refused).__name__}: {refused}"
+    full = safeview.sglang.describe_pool(pool.full_kv_pool)
+    result["full_layers"] = sorted(full.layers)
+    result["full_is_registered"] = sorted(
+        int(t.data_ptr()) for t in [*pool.full_kv_pool.k_buffer, *pool.full_kv_pool.v_buffer]
+    ) == sorted(int(p) for p in kv[0])
+    result["events"] = _new_events()
+    print(json.dumps(result), flush=True)
+    os._exit(0)
+
+
 def _code_tensor(name: str, tensor: Any) -> Any:
     """Every element's code: its buffer (K 0, V 1, MLA 0), slot, and index inside the slot,
     ``((buffer * slots + slot) * per_slot + index) % 2**15``, in the buffer's item size."""
@@ -421,6 +549,7 @@ def _new_events() -> list[dict[str, Any]]:
 
 def main() -> None:
     role, port, cases = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     _stand_ins()
     try:
         if os.environ.get("SAFEVIEW_HARNESS_INSTALL") == "1":
@@ -439,7 +568,9 @@ def main() -> None:
             pools(cases)
         if role == "register":
             register(port, cases)
-        (prefill if role == "prefill" else decode)(port, cases)
+        if role == "state_pools":
+            state_pools()
+        (prefill if role == "prefill" else decode)(port, cases, rank)
     except BaseException as error:
         import traceback
 

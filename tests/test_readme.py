@@ -247,7 +247,10 @@ def _process_guard(kv: torch.Tensor) -> None:
 
 # Emitted only where vLLM is installed; tests/test_vllm.py and tests/test_vllm_layout.py check
 # their keys against this table.
-NEEDS_VLLM = {"integration_installed", "layout_checked", "layout_mismatch", "canonical_mismatch"}
+NEEDS_VLLM = {
+    "integration_installed", "layout_checked", "layout_mismatch", "canonical_mismatch",
+    "layout_judged", "kv_not_received", "kv_not_read",
+}  # fmt: skip
 
 
 def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,6 +273,9 @@ def test_event_table_documents_every_key_that_is_emitted(monkeypatch: pytest.Mon
         "layout_mismatch",
         "digest_checked",
         "digest_mismatch",
+        "layout_judged",
+        "kv_not_received",
+        "kv_not_read",
         "integration_installed",
         "integration_unavailable",
         "internal_error",

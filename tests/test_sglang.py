@@ -12,9 +12,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,11 @@ for _case in CASES:
 CASES.append(
     {"name": "past_page", "prefill": {}, "decode": {}, "src_pages": [1, 2], "dst_pages": [3, 40]}
 )
+# equal layouts, but the manifest frame D sends is cut short (forged, truncated)
+CASES.append(
+    {"name": "forged", "prefill": {}, "decode": {}, "forge_manifest": 40, "src_pages": [1, 2],
+     "dst_pages": [3, 5]}
+)  # fmt: skip
 
 
 def _free_port() -> int:
@@ -58,10 +65,12 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _run(role: str, port: int, cases: list[dict[str, Any]], env: dict[str, str]) -> list[Any]:
+def _run(
+    role: str, port: int, cases: list[dict[str, Any]], env: dict[str, str], rank: int = 0
+) -> list[Any]:
     """One harness process; its JSON lines (a failure shows its stderr)."""
     done = subprocess.run(
-        [sys.executable, str(HARNESS), role, str(port), json.dumps(cases)],
+        [sys.executable, str(HARNESS), role, str(port), json.dumps(cases), str(rank)],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -78,20 +87,37 @@ def _pair(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A P and a D process through ``cases``: per case name, P's line and D's line, and every
     safeview event of each side in order (``"events"``)."""
+    prefill, decode = _ranks(cases, prefill_env, decode_env)
+    return prefill[0], decode[0]
+
+
+def _ranks(
+    cases: list[dict[str, Any]], prefill_env: dict[str, str], decode_env: dict[str, str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A process per attention-TP rank of P and of D (``tp_size`` of the first case's sides)
+    through ``cases``: per rank, as ``_pair`` gives one side."""
     port = _free_port()
-    with ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(_run, "prefill", port, cases, prefill_env)
-        decode = pool.submit(_run, "decode", port, cases, decode_env)
-        sides = prefill.result(), decode.result()
+    sizes = [int(cases[0][side].get("tp_size", 1)) for side in ("prefill", "decode")]
+    # D starts a case once P is through with the one before (the harness's SYNC folder)
+    with tempfile.TemporaryDirectory() as sync, ThreadPoolExecutor(sum(sizes)) as pool:
+        futures = [
+            pool.submit(_run, role, port, cases, {**env, "SAFEVIEW_HARNESS_SYNC": sync}, rank)
+            for role, env, size in (
+                ("prefill", prefill_env, sizes[0]),
+                ("decode", decode_env, sizes[1]),
+            )
+            for rank in range(size)
+        ]
+        lines_of = [future.result() for future in futures]
     found: list[dict[str, Any]] = []
-    for lines in sides:
+    for lines in lines_of:
         by_case: dict[str, Any] = {"events": []}
         for line in lines:
             by_case["events"] += line.pop("events", [])
             if "case" in line:
                 by_case[line["case"]] = line
         found.append(by_case)
-    return found[0], found[1]
+    return found[: sizes[0]], found[sizes[0] :]
 
 
 def _installed(policy: str) -> dict[str, str]:
@@ -112,25 +138,45 @@ def test_strict_passes_equal_layouts_byte_for_byte_and_refuses_the_others_before
     # each other layout passes SGLang's own checks and is refused by safeview at P, naming the
     # layer and what differs; not one byte lands in D's pool
     expected = {
-        "fp8": ("layers.0", "the receiver reads float8_e4m3fn, the sender wrote bfloat16"),
-        "heads": ("layers.0", "the sender's page is 1,024 bytes, the receiver's 512"),
-        "head_dim": ("layers.0", "receiver page byte 32 reads K token 0 head 0 element 16"),
+        # sglang#19398: named by SGLang's own item lengths too (32,768 vs 16,384 bytes an
+        # item at 128-dim heads and 64-token pages; the harness's pages are smaller)
+        "fp8": (
+            "the receiver reads float8_e4m3fn, the sender wrote bfloat16",
+            "item lengths differ: the prefill's 512 bytes an item, the decode's 256",
+        ),
+        "heads": (
+            "the sender's page is 1,024 bytes, the receiver's 512",
+            "the first byte that differs: layers.0: receiver page byte 64 reads K token 1 head 0",
+        ),
+        "head_dim": ("receiver page byte 32 reads K token 0 head 0 element 16", "layers.0"),
     }
-    for name, (layer, words) in expected.items():
+    for name, words in expected.items():
         assert prefill[name]["state"] == "Failed", name
-        assert words in prefill[name]["reason"], name
-        assert layer in prefill[name]["reason"], name
+        for said in (*words, "layers.0"):
+            assert said in prefill[name]["reason"], (name, said, prefill[name]["reason"])
         assert prefill[name]["reason"].count("safeview:") == 1
         assert decode[name]["state"] == "Failed", name
         assert decode[name]["nonzero_bytes"] == 0, name
     refused = [e for e in prefill["events"] if e["event"] == "layout_mismatch"]
     assert [e["action"] for e in refused] == ["refused"] * 3
     assert [e["against"] for e in refused] == ["handshake"] * 3
-    # D's registration was checked before Mooncake registered it, and D sent its manifest
-    assert [e["verdict"] for e in prefill["events"] if e["event"] == "layout_checked"] == [
-        "compatible",
-        "compatible",
+    # D's registration was checked before Mooncake registered it, and D sent its manifest;
+    # the one D sent cut short is refused under strict, said so by name
+    checked = [e for e in prefill["events"] if e["event"] == "layout_checked"]
+    assert [e["verdict"] for e in checked] == ["compatible", "compatible", "not_judged"]
+    assert checked[2]["reason"].startswith("the decode peer's manifest cannot be judged")
+    assert prefill["forged"]["state"] == decode["forged"]["state"] == "Failed"
+    assert "manifest" in prefill["forged"]["reason"]
+    assert decode["forged"]["nonzero_bytes"] == 0
+    # D judged P's manifest too (it came back on SGLang's ZMQ channel), with the same verdicts
+    judged = [e for e in decode["events"] if e["event"] in ("layout_checked", "layout_mismatch")]
+    assert [(e["event"], e.get("verdict"), e["against"]) for e in judged] == [
+        ("layout_checked", "compatible", "handshake"),
+        *[("layout_mismatch", "mismatch", "handshake")] * 3,
+        ("layout_checked", "compatible", "handshake"),  # past_page: the layouts are equal
+        ("layout_checked", "compatible", "handshake"),  # forged: D's frame, not P's
     ]
+    assert all(e["remote_engine"].startswith("sglang-prefill@") for e in judged)
     # a descriptor past D's pages is refused before Mooncake runs the batch: nothing lands,
     # not even the rows of D's page 3, which lies inside its pool
     assert prefill["past_page"]["state"] == decode["past_page"]["state"] == "Failed"
@@ -184,6 +230,102 @@ def test_warn_goes_on_as_sglang_alone_with_an_event_and_a_side_without_safeview_
     verdicts = [e for e in strict_prefill["events"] if e["event"] == "layout_checked"]
     assert [e["verdict"] for e in verdicts] == ["not_judged"] * 4
     assert verdicts[0]["reason"] == "the decode peer sent no manifest (no safeview there)"
+
+
+def test_decode_judges_the_prefills_manifest_and_refuses_under_strict_what_a_warn_prefill_sends(
+) -> None:  # fmt: skip
+    cases = [CASES[0], CASES[1]]  # equal, fp8
+    prefill, decode = _pair(cases, _installed("warn"), _installed("strict"))
+    # P under warn lets both go, as SGLang alone would
+    assert prefill["equal"]["state"] == prefill["fp8"]["state"] == "Success"
+    assert [e["action"] for e in prefill["events"] if e["event"] == "layout_mismatch"] == ["none"]
+    # D judged P's manifest, sent on SGLang's channel before P read D's request: equal passes
+    # byte for byte; bf16 into fp8 is refused at D, naming the dtypes and SGLang's item lengths
+    assert decode["equal"]["state"] == "Success"
+    assert decode["equal"]["received"] == prefill["equal"]["sent"]
+    assert decode["fp8"]["state"] == "Failed"
+    reason = decode["fp8"]["reason"]
+    assert "safeview: layers.0: the receiver reads float8_e4m3fn" in reason, reason
+    assert "the prefill's 512 bytes an item, the decode's 256" in reason, reason
+    judged = [e for e in decode["events"] if e["event"] in ("layout_checked", "layout_mismatch")]
+    assert [(e["event"], e.get("action")) for e in judged] == [
+        ("layout_checked", None),
+        ("layout_mismatch", "refused"),
+    ]
+    assert judged[1]["layer"] == "layers.0"
+
+
+# attention TP 2 into 1 and 1 into 2 (SGLang's send_kvcache_slice): P's pages written by
+# meaning (buffer, place in the request, token, global head, byte), D's checked by meaning
+_TP_CASES: dict[str, list[dict[str, Any]]] = {
+    "2->1": [
+        {"name": "tp", "prefill": {"tp_size": 2, "heads": 2}, "decode": {"heads": 4}},
+        {"name": "tp_head_dim", "prefill": {"tp_size": 2, "heads": 2},
+         "decode": {"heads": 4, "head_dim": 32}},
+        {"name": "tp_past_page", "prefill": {"tp_size": 2, "heads": 2}, "decode": {"heads": 4}},
+    ],
+    "1->2": [
+        {"name": "tp", "prefill": {"heads": 4},
+         "decode": {"tp_size": 2, "heads": 2, "total_heads": 4}},
+        {"name": "tp_head_dim", "prefill": {"heads": 4},
+         "decode": {"tp_size": 2, "heads": 2, "total_heads": 4, "head_dim": 32}},
+        {"name": "tp_past_page", "prefill": {"heads": 4},
+         "decode": {"tp_size": 2, "heads": 2, "total_heads": 4}},
+    ],
+}  # fmt: skip
+for _cases in _TP_CASES.values():
+    for _case in _cases:
+        # tp_past_page: equal meaning, but D names a page past its pool (17 pages)
+        pages = [3, 40] if _case["name"] == "tp_past_page" else [3, 5]
+        _case.update(src_pages=[1, 2], dst_pages=pages, by_meaning=_case["name"] == "tp")
+
+
+@pytest.mark.slow
+def test_another_attention_tp_splits_heads_right_and_another_head_size_is_refused() -> None:
+    with ThreadPoolExecutor(2) as pool:
+        runs = {
+            split: pool.submit(_ranks, cases, _installed("strict"), _installed("strict"))
+            for split, cases in _TP_CASES.items()
+        }
+        found = {split: run.result() for split, run in runs.items()}
+    for split, (prefills, decodes) in found.items():
+        # heads split right: every byte of D's pages means what P's meant, on every D rank
+        for decode in decodes:
+            assert decode["tp"]["state"] == "Success", (split, decode["tp"])
+            assert decode["tp"]["wrong_bytes"] == 0, split
+            assert decode["tp"]["nonzero_bytes"] > 0, split
+        for prefill in prefills:
+            assert prefill["tp"]["state"] == "Success", split
+            # another head size at another TP: SGLang's own check (the run fits D's slot)
+            # passes it; safeview refuses it at P, naming the layer and the first byte
+            assert prefill["tp_head_dim"]["state"] == "Failed", split
+            reason = prefill["tp_head_dim"]["reason"]
+            assert "safeview: layers.0." in reason, reason
+            assert re.search(r"receiver page byte \d+ reads K token 0 head \d", reason), reason
+            assert "send_kvcache_slice copies per token slot" in reason, reason
+            verdicts = [
+                (e["event"], e.get("action"))
+                for e in prefill["events"]
+                if e["event"] in ("layout_checked", "layout_mismatch")
+            ]
+            ranks = len(decodes)  # one verdict per D rank met, per case
+            assert (
+                sorted(verdicts)
+                == [("layout_checked", None)] * 2 * ranks + [("layout_mismatch", "refused")] * ranks
+            ), (split, verdicts)
+            # send_kvcache_slice's token-slot descriptors, judged before Mooncake runs them: a
+            # page past D's pool is refused, and the batches with it do not run
+            assert prefill["tp_past_page"]["state"] == "Failed", split
+            past = [e for e in prefill["events"] if e["event"] == "address_violation"]
+            assert past, (split, prefill["events"])
+            assert {e["policy"] for e in past} == {"strict"}, split
+        for decode in decodes:
+            assert decode["tp_past_page"]["state"] == "Failed", split
+            assert decode["tp_past_page"]["nonzero_bytes"] == 0, split
+            assert decode["tp_head_dim"]["state"] == "Failed", split
+            assert decode["tp_head_dim"]["nonzero_bytes"] == 0, split
+            mismatches = [e for e in decode["events"] if e["event"] == "layout_mismatch"]
+            assert len(mismatches) == len(prefills), (split, decode["events"])
 
 
 def _decode_page_bytes(document: dict[str, Any]) -> list[str]:
@@ -251,6 +393,59 @@ def test_describe_pool_reads_sglangs_own_pools_off_their_strides_checked_against
     assert fp8["layers"]["layers.0"]["dtype"] == "float8_e4m3fn"  # stored as uint8
     for document in documents:
         assert _decode_page_bytes(document) == [], document["case"]
+
+
+def test_a_sliding_window_pools_state_is_said_not_judged_and_its_full_attention_kv_is_read() -> (
+    None
+):
+    (found,) = _run("state_pools", 0, [], _installed("strict"))
+    # SGLang registers the full-attention pool's buffers as the KV regions: safeview reads
+    # that pool (the plugin remembers it, as any MHA pool); the window pool is state
+    assert found["kv_regions"] == found["state_regions"] == 4
+    assert found["full_is_registered"]
+    assert found["full_layers"] == ["layers.0", "layers.1"]
+    assert found["refused"].startswith("ArgumentError: SWAKVPool: its sliding-window pool")
+    assert "pool.full_kv_pool" in found["refused"]
+    said = [e for e in found["events"] if e["event"] == "integration_unavailable"]
+    assert [e["reason"].split(":")[0] for e in said] == ["SWAKVPool state not judged"], said
+    assert "_send_swa_state_slice" in said[0]["reason"]
+
+
+def test_a_vllm_manifest_diffed_against_sglangs_by_meaning(tmp_path: Path) -> None:
+    # the two engines cannot be joined (no connector speaks both bootstraps: docs/sglang.md);
+    # their manifests can be compared. SGLang's from its real pool; vLLM's on meta, its
+    # layers named as SGLang names them (vLLM's layer i is layers.i)
+    import torch
+
+    from safeview.manifest import describe, vllm_axes
+
+    (document,) = _run("pools", 0, [{"kind": "mha"}], {})
+    (tmp_path / "sglang.json").write_text(document["manifest"])
+    topology = {"total_kv_heads": 4, "kernel_block_tokens": 4, "logical_block_tokens": 4}
+    layouts = {
+        # K and V outer, then blocks, tokens, heads (vLLM's FlashAttention): SGLang's meaning
+        "flash": ((2, 17, PAGE_SIZE, 4, 16), ("kv", "block", "token", "head", "element")),
+        # heads before tokens, K and V in the last axis (vllm_axes()): another meaning
+        "hnd": ((17, 4, PAGE_SIZE, 32), vllm_axes()),
+    }
+    verdicts = {}
+    for name, (shape, axes) in layouts.items():
+        caches = {f"layers.{i}": torch.empty(shape, dtype=torch.bfloat16, device="meta")
+                  for i in range(2)}  # fmt: skip
+        manifest = describe(caches, axes=axes, topology=topology)
+        (tmp_path / f"{name}.json").write_text(manifest.to_json())
+        done = subprocess.run(
+            [sys.executable, "-m", "safeview", "diff", "--rule", "page_copy",
+             str(tmp_path / f"{name}.json"), str(tmp_path / "sglang.json")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        verdicts[name] = (done.returncode, done.stdout)
+    assert verdicts["flash"][0] == 0, verdicts["flash"]
+    assert verdicts["hnd"][0] == 1, verdicts["hnd"]
+    assert (
+        "layers.0: receiver page byte 32 reads K token 0 head 1 element 0, the sender wrote "
+        "V token 0 head 0 element 0 there" in verdicts["hnd"][1]
+    ), verdicts["hnd"][1]
 
 
 @pytest.mark.parametrize("policy", ["strict", "warn"])

@@ -32,16 +32,19 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ValidationError
 
 from safeview.errors import ManifestError
+from safeview.manifest._formats import FORMATS, NamedFormat
 from safeview.manifest._model import (
     CONNECTOR_RULES,
     MANIFEST_SCHEMA,
     MAX_BYTES,
     MAX_HEADS,
     MAX_RANKS,
+    Companion,
     Layer,
     LayerKind,
     Manifest,
     PageAxis,
+    Part,
     Topology,
     _file_name,
     _fingerprint_of,
@@ -59,15 +62,18 @@ if TYPE_CHECKING:
 __all__ = [
     "AXIS_NAMES",
     "CONNECTOR_RULES",
+    "FORMATS",
     "MANIFEST_SCHEMA",
     "MAX_BYTES",
     "MAX_HEADS",
     "MAX_RANKS",
+    "Companion",
     "Derived",
     "Layer",
     "LayerKind",
     "Manifest",
     "PageAxis",
+    "Part",
     "Topology",
     "assumed",
     "canonical_bytes",
@@ -157,9 +163,14 @@ def layer_from_geometry(
     heads: Sequence[int] | None = None,
     kind: LayerKind | None = None,
     group: int | str | None = None,
+    parts: PartsSpec | None = None,
+    companions: Sequence[Companion | Mapping[str, Any]] = (),
+    scalars: Mapping[str, float] | None = None,
 ) -> Layer:
     """A ``Layer`` from a tensor's geometry (shape, strides in elements, first byte) and the
-    meaning of each of its dimensions. Errors name the layer and the axis."""
+    meaning of each of its dimensions; ``parts`` (``Part``s or their dicts) name what each
+    row holds, ``companions`` the tensors tied to it, ``scalars`` values carried by value
+    (``k_scale``). Errors name the layer and the axis, or the part."""
     where = f"layers[{name!r}]"
     if dtype not in DTYPE_ITEMSIZE:
         raise ManifestError(f"{where}.dtype", dtype, "is not a dtype safeview knows")
@@ -202,10 +213,34 @@ def layer_from_geometry(
             raise ManifestError(f"{where}.axes", list(axes), f"names {meaning!r} twice")
     if kind is None:
         kind = "attention" if "kv" in meanings else "latent"
+    extras = _extras(where, parts, companions, scalars)
     try:
-        return _layer(where, found, kind, dtype, itemsize, group, block, byte_offset, heads)
+        return _layer(where, found, kind, dtype, itemsize, group, block, byte_offset, heads, extras)
     except ValidationError as error:  # a count past MAX_BYTES, a kind of no meaning
         raise _refused(error, where, ".") from None
+
+
+PartsSpec = Sequence[Part | Mapping[str, Any]]
+
+
+def _extras(
+    where: str,
+    parts: PartsSpec | None,
+    companions: Sequence[Companion | Mapping[str, Any]],
+    scalars: Mapping[str, float] | None,
+) -> dict[str, Any]:
+    """``parts``, ``companions`` and ``scalars`` as a ``Layer`` holds them; ``ManifestError``
+    naming the layer and the part for one that is no part."""
+    found: dict[str, Any] = {}
+    if parts:
+        if isinstance(parts, (str, Mapping)) or not isinstance(parts, Sequence):
+            raise ManifestError(f"{where}.parts", type(parts).__name__, "is not a list of parts")
+        found["parts"] = tuple(parts)  # validated by the Layer: its errors name the part
+    if companions:
+        found["companions"] = tuple(companions)
+    if scalars:
+        found["scalars"] = dict(scalars)
+    return found
 
 
 def _layer(
@@ -218,10 +253,13 @@ def _layer(
     block: tuple[int, int],
     byte_offset: int,
     heads: Sequence[int] | None,
+    extras: Mapping[str, Any] | None = None,
 ) -> Layer:
     num_blocks, block_stride = block
     page_axes, chunk, page = _nest(where, found, itemsize, num_blocks, block_stride)
     head_size = next((size for meaning, size, _ in found if meaning == "head"), None)
+    if head_size is None:  # a page whose parts lay heads out themselves (vLLM's NVFP4)
+        head_size = _part_heads((extras or {}).get("parts", ()))
     if head_size is not None and head_size > MAX_HEADS:
         raise ManifestError(f"{where}.axes", f"head {head_size}", f"holds more than {MAX_HEADS:,}")
     if kind == "latent":
@@ -248,7 +286,20 @@ def _layer(
         chunk_bytes=chunk,
         axes=page_axes,
         heads=held if kind != "latent" else (),
+        **(extras or {}),
     )
+
+
+def _part_heads(parts: Iterable[Part | Mapping[str, Any]]) -> int | None:
+    """The heads a page's parts lay out through their ``index``, where the page has no head
+    axis of its own; ``None`` where none does."""
+    found = None
+    for part in parts:
+        index = part.index if isinstance(part, Part) else (part or {}).get("index")
+        for axis, size in index or ():
+            if axis == "head" and isinstance(size, int):
+                found = max(found or 0, size)
+    return found
 
 
 def _nest(
@@ -349,6 +400,9 @@ def describe(
     topology: Topology | Mapping[str, Any] | None = None,
     groups: Mapping[str, int | str] | None = None,
     kinds: Mapping[str, LayerKind] | None = None,
+    parts: PartsSpec | Mapping[str, PartsSpec] | None = None,
+    companions: Mapping[str, Sequence[Companion | Mapping[str, Any]]] | None = None,
+    scalars: Mapping[str, float] | Mapping[str, Mapping[str, float]] | None = None,
 ) -> Manifest:
     """The manifest of an engine's KV caches (layer name -> tensor, as the engine holds them),
     read off each tensor's strides, storage offset and element size; works on ``meta``.
@@ -358,8 +412,17 @@ def describe(
     layer, or a callable ``(name, shape) -> axes``. ``topology`` (a ``Topology`` or a dict)
     says which rank this is; the global heads a rank holds default to vLLM's sharding over
     ``total_kv_heads`` (``heads_of_rank``). ``ManifestError`` names the layer and the axis of
-    anything that cannot be derived."""
-    return derive(kv_caches, axes=axes, topology=topology, groups=groups, kinds=kinds).manifest()
+    anything that cannot be derived.
+
+    ``parts`` names what each row holds (``Part``s or their dicts: ``data``, ``scale``,
+    ``rope``, ``pad``, a state's segments; one list for every layer, or a mapping by layer),
+    ``companions`` the tensors tied to a layer (by layer), ``scalars`` values carried by value
+    (``{"k_scale": 1.0}`` for every layer, or a mapping by layer); see ``safeview.manifest.
+    _parts`` and docs/layouts.md. A layer without parts reads as one ``data`` part."""
+    return derive(
+        kv_caches, axes=axes, topology=topology, groups=groups, kinds=kinds, parts=parts,
+        companions=companions, scalars=scalars,
+    ).manifest()  # fmt: skip
 
 
 def derive(
@@ -369,6 +432,9 @@ def derive(
     topology: Topology | Mapping[str, Any] | None = None,
     groups: Mapping[str, int | str] | None = None,
     kinds: Mapping[str, LayerKind] | None = None,
+    parts: PartsSpec | Mapping[str, PartsSpec] | None = None,
+    companions: Mapping[str, Sequence[Companion | Mapping[str, Any]]] | None = None,
+    scalars: Mapping[str, float] | Mapping[str, Mapping[str, float]] | None = None,
 ) -> Derived:
     """What ``describe`` reads, before a ``Layer`` is built for each layer: see ``Derived``."""
     from safeview import _torch
@@ -382,6 +448,14 @@ def derive(
     fixed = None if callable(axes) or isinstance(axes, Mapping) else _axes_for(axes, "", ())
     # layers of one shape differ only in where they lie: each page is derived once
     seen: dict[tuple[Any, ...], Layer] = {}
+    # parts, companions and scalars the same for every layer: resolved once, not per layer
+    by_layer = (
+        isinstance(parts, Mapping)
+        or companions is not None
+        or (isinstance(scalars, Mapping) and any(isinstance(v, Mapping) for v in scalars.values()))
+    )
+    shared = None if by_layer else _extras_of("", parts, None, scalars)
+    shared_ids = () if shared is None else tuple(map(id, shared))
     for name, tensor in kv_caches.items():
         if not isinstance(name, str):
             raise ManifestError("kv_caches", name, "has a key that is not a layer name (a str)")
@@ -392,7 +466,12 @@ def derive(
         names = fixed if fixed is not None else _axes_for(axes, name, tuple(tensor.shape))
         kind = kinds.get(name) if kinds else None
         group = groups.get(name) if groups else None
-        key = (names, tensor.dtype, tensor.shape, tensor.stride(), kind, group)
+        if shared is None:
+            extra = _extras_of(name, parts, companions, scalars)
+            ids = tuple(map(id, extra))
+        else:
+            extra, ids = shared, shared_ids
+        key = (names, tensor.dtype, tensor.shape, tensor.stride(), kind, group, ids)
         template = seen.get(key)
         if template is None:
             geometry = _torch.geometry(tensor)
@@ -409,12 +488,28 @@ def derive(
                 heads=_held_heads(known, head_size),
                 kind=kind,
                 group=group,
+                parts=extra[0],
+                companions=extra[1] or (),
+                scalars=extra[2],
             )
         entries.append((name, template, _torch.byte_offset(tensor)))
     return Derived(_finished(known, seen.values()), entries)
 
 
 _KINDS: tuple[str, ...] = ("attention", "latent", "state")
+
+
+def _extras_of(name: str, parts: Any, companions: Any, scalars: Any) -> tuple[Any, Any, Any]:
+    """A layer's parts, companions and scalars: ``parts`` and ``scalars`` given once for
+    every layer or by layer name, ``companions`` by layer name. The very objects given, so
+    that layers given the same ones share a page (``derive`` keys its templates by them)."""
+    if isinstance(parts, Mapping):
+        parts = parts.get(name)
+    if isinstance(scalars, Mapping) and any(isinstance(v, Mapping) for v in scalars.values()):
+        scalars = scalars.get(name)
+    if companions is not None and not isinstance(companions, Mapping):
+        raise ManifestError("companions", type(companions).__name__, "is not a mapping by layer")
+    return parts, (companions or {}).get(name), scalars
 
 
 def _by_layer(given: Any, what: str, valid: Callable[[Any], bool], limit: str) -> None:
@@ -600,6 +695,7 @@ def assumed(
     tells ``diff``'s ``in_place`` rule so."""
     if not isinstance(format, str):
         raise ManifestError("format", type(format).__name__, "is not a str")
+    named = _named_format(format)
     for field, value in (
         ("num_blocks", num_blocks),
         ("block_tokens", block_tokens),
@@ -612,6 +708,11 @@ def assumed(
             raise ManifestError(field, shown, "is not a count from 1 to 2**62 - 1")
     if isinstance(layers, str):
         raise ManifestError("layers", _short(layers), "is one str: give a list of layer names")
+    if named is not None:
+        return _assumed_named(
+            format, named, list(layers), num_blocks, block_tokens, num_heads, head_size, dtype,
+            _topology(topology), layer_bytes,
+        )  # fmt: skip
     names = _format_axes(format)
     sizes = {
         "kv": 2,
@@ -649,3 +750,120 @@ def assumed(
         raise ManifestError("layers", [], "is empty: a manifest needs a layer")
     entries = [(name, layer, layer.byte_offset) for name, layer in built.items()]
     return Derived(_finished(known, built.values()), entries).manifest()
+
+
+# -- named formats (issue 37): Dynamo KVBM, FlexKV, vLLM, LMCache's other EngineKVFormat names --
+
+_LMCACHE_DIMS = {"TWO": "K", "NB": "B", "BS": "T", "NH": "H", "HS": "E", "NBBS": "BT", "ONE": "1",
+                 "CS": "C", "2HS": "C", "TWOHS": "C", "NL": "L"}  # fmt: skip
+
+
+def _named_format(format: str) -> NamedFormat | None:
+    """The ``NamedFormat`` of ``format``: a name of ``FORMATS``, or an LMCache
+    ``EngineKVFormat`` name the plain axis reading (``_format_axes``) does not cover (a
+    layer axis inside the block, ``ONE``, ``CS``, the DSA indexer's ``BSV_BSS``); ``None``
+    for the plain ones. ``ManifestError`` for an LMCache name whose bytes are not one dense
+    order per layer."""
+    from safeview.manifest._formats import (
+        FORMATS,
+        LMCACHE_BSV_BSS,
+        LMCACHE_BSV_BSS_FORMAT,
+        LMCACHE_NOT_DENSE,
+    )
+
+    if format in FORMATS:
+        return FORMATS[format]
+    upper = format.upper()
+    source = "lmcache/lmcache_native.pyi (EngineKVFormat, LMCache 0.5.6)"
+    if upper in LMCACHE_NOT_DENSE:
+        raise ManifestError(
+            "format",
+            format,
+            f"is not one dense order of bytes per layer: {LMCACHE_NOT_DENSE[upper]}",
+        )
+    if upper == LMCACHE_BSV_BSS:
+        return LMCACHE_BSV_BSS_FORMAT
+    tokens = upper.split("_")
+    per_layer = tokens[:2] == ["NL", "X"]
+    body = tokens[2:] if per_layer else tokens
+    if not ({"ONE", "CS", "NL"} & set(body)):
+        return None  # the plain reading (_format_axes)
+    dims = ""
+    for at, token in enumerate(body):
+        if token not in _LMCACHE_DIMS:
+            raise ManifestError(
+                f"format[{at}]",
+                token,
+                f"is not an axis safeview knows (known: {', '.join(_LMCACHE_DIMS)})",
+            )
+        dims += _LMCACHE_DIMS[token]
+    latent = "K" not in dims and "C" not in dims
+    return NamedFormat(dims, source, per_layer=per_layer, latent=latent)
+
+
+def _assumed_named(
+    format: str,
+    named: NamedFormat,
+    layers: list[str],
+    num_blocks: int,
+    block_tokens: int,
+    num_heads: int,
+    head_size: int,
+    dtype: str,
+    known: Topology,
+    layer_bytes: int | None,
+) -> Manifest:
+    """The manifest of a named format (``_formats.FORMATS``): every layer a slice of one dense
+    tensor in the format's dimension order (``L`` the layer), or, ``per_layer``, a dense tensor
+    of its own, laid one after another ``layer_bytes`` apart (default: dense)."""
+    if not layers:
+        raise ManifestError("layers", [], "is empty: a manifest needs a layer")
+    parts: list[dict[str, Any]] | None = None
+    row = head_size
+    if named.page is not None:  # parts over a block's tokens and heads (NVFP4, DSA indexer)
+        parts, row = named.page(num_heads, block_tokens, head_size)
+        dtype = "uint8"
+    elif named.row is not None:
+        parts, row = named.row(head_size, dtype)
+        dtype = "uint8"
+    if dtype not in DTYPE_ITEMSIZE:
+        raise ManifestError("dtype", dtype, "is not a dtype safeview knows")
+    sizes = {"L": len(layers), "B": num_blocks, "K": 2, "T": block_tokens, "H": num_heads,
+             "E": row, "C": 2 * row, "1": 1}  # fmt: skip
+    shape = [sizes[d] for d in named.dims]
+    strides = [1] * len(shape)
+    for at in range(len(shape) - 2, -1, -1):
+        strides[at] = strides[at + 1] * shape[at + 1]
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    whole = strides[0] * shape[0] * itemsize
+    keep = [at for at, d in enumerate(named.dims) if d != "L"]
+    axes = [_FORMAT_DIM_AXES[named.dims[at]] for at in keep]
+    layer_at = named.dims.find("L")
+    if known.layout is None:
+        known = known.model_copy(update={"layout": format})
+    head_count = num_heads if "H" in named.dims or named.page is not None else None
+    built: dict[str, Layer] = {}
+    for index, name in enumerate(layers):
+        if not isinstance(name, str):
+            raise ManifestError(f"layers[{index}]", name, "is not a layer name (a str)")
+        if layer_at >= 0:
+            offset = index * strides[layer_at] * itemsize
+        else:
+            offset = index * (layer_bytes if layer_bytes is not None else whole)
+        built[name] = layer_from_geometry(
+            name,
+            axes=axes,
+            shape=[shape[at] for at in keep],
+            strides_elements=[strides[at] for at in keep],
+            byte_offset=offset,
+            dtype=dtype,
+            heads=None if named.latent else _held_heads(known, head_count),
+            kind="latent" if named.latent else None,
+            parts=parts,
+        )
+    entries = [(name, layer, layer.byte_offset) for name, layer in built.items()]
+    return Derived(_finished(known, built.values()), entries).manifest()
+
+
+_FORMAT_DIM_AXES = {"B": "block", "K": "kv", "T": "token", "H": "head", "E": "element",
+                    "C": "kv|element", "1": "unit"}  # fmt: skip

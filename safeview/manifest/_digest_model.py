@@ -117,6 +117,36 @@ def type_key(dtype: str, lane: int) -> int:
     return found[lane] if found is not None else _name_key(dtype, "dtype", lane)
 
 
+_MEANING_FIELDS = ("name", "role", "dtype", "granularity", "group_elements", "group_tokens",
+                   "scales", "order", "kv", "tp")  # fmt: skip
+
+
+def layer_meaning(layer: Any) -> str:
+    """What a layer's values add for the meaning of its bytes, besides their place: its element
+    type, and where the layer has parts (issue 37), each part's element type, role, scale
+    granularity and order, its companions' and its scalars' values. A layer without parts,
+    companions or scalars gives its element type's name, so its values are those of before.
+    Offsets, lengths and a page-level part's index are left out: a byte's place is weighed by
+    ``R`` and the keys of its token and head, and a page of another block size lays the same
+    meaning out over other indices."""
+    parts = getattr(layer, "parts", ())
+    companions = getattr(layer, "companions", ())
+    scalars = getattr(layer, "scalars", {})
+    if not parts and not companions and not scalars:
+        return str(layer.dtype)
+    described = {
+        "dtype": layer.dtype,
+        "parts": sorted(  # by name (unique in a layer): the parts, not the order listed
+            ([getattr(part, f) for f in _MEANING_FIELDS] for part in parts), key=lambda p: p[0]
+        ),
+        "companions": [
+            [c.name, c.role, c.dtype, c.granularity, c.group_elements] for c in companions
+        ],
+        "scalars": sorted((name, float(value).hex()) for name, value in scalars.items()),
+    }
+    return json.dumps(described, sort_keys=True, separators=(",", ":"))
+
+
 def row_weights(length: int) -> list[tuple[int, int]]:
     """``R``: for byte ``j`` of a row (or piece) of ``length`` bytes, its two lane weights,
     int8 values in ``[-64, -1] u [1, 64]`` (``WEIGHT_BOUND``), the pair different for every

@@ -34,6 +34,7 @@ from safeview.manifest._digest_model import (
     chunk_tokens,
     key,
     layer_key,
+    layer_meaning,
     piece_count,
     row_weights,
     type_key,
@@ -701,14 +702,15 @@ def _head_keys(head: int) -> tuple[int, ...]:
 
 
 def _values(
-    name: str, dtype: str, heads: Sequence[int], found: list[list[int]], typed: bool
+    name: str, meaning: str, heads: Sequence[int], found: list[list[int]], typed: bool
 ) -> dict[int, int]:
-    """A layer's values per head from its per-lane sums: times the head's key, plus the
-    element type's key (``typed``: on the rank at context-parallel position 0 only, so that
-    the ranks' values add up to one), times the layer's key."""
+    """A layer's values per head from its per-lane sums: times the head's key, plus the key of
+    what its bytes mean (``layer_meaning``: its element type, its parts'; ``typed``: on the
+    rank at context-parallel position 0 only, so that the ranks' values add up to one), times
+    the layer's key."""
     result: dict[int, int] = {}
     layer_keys = [_layer_key(name, lane) for lane in range(LANES)]
-    type_keys = [type_key(dtype, lane) if typed else 0 for lane in range(LANES)]
+    type_keys = [type_key(meaning, lane) if typed else 0 for lane in range(LANES)]
     for at, head in enumerate(heads):
         head_keys = _head_keys(head)
         lanes_value = [
@@ -804,9 +806,9 @@ def digest(
         at = 0
         for name in names_here:
             heads = sums[name][1]
-            dtype = manifest.layers[name].dtype
+            meaning = layer_meaning(manifest.layers[name])
             typed = topology.cp_rank == 0
-            values[name] = _values(name, dtype, heads, stacked[at : at + len(heads)], typed)
+            values[name] = _values(name, meaning, heads, stacked[at : at + len(heads)], typed)
             at += len(heads)
     values = {name: values[name] for name in names}  # the manifest's order
     dtypes = {name: manifest.layers[name].dtype for name in names}

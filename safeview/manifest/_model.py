@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from safeview.check import StorageRecord, ViewRecord
 from safeview.errors import ManifestError
+from safeview.manifest._parts import Companion, Part, parts_checked
 from safeview.spec import DTYPE_ITEMSIZE, DTypeName
 
 __all__ = [
@@ -25,10 +27,12 @@ __all__ = [
     "MAX_BYTES",
     "MAX_HEADS",
     "MAX_RANKS",
+    "Companion",
     "Layer",
     "LayerKind",
     "Manifest",
     "PageAxis",
+    "Part",
     "Topology",
 ]
 
@@ -162,6 +166,11 @@ class Layer(BaseModel):
     chunk_bytes: Count
     axes: tuple[PageAxis, ...]
     heads: tuple[Count, ...] = ()
+    # issue 37: written only when there (a layer without them is one ``data`` part of its
+    # dtype, and keeps the text, wire bytes and fingerprint of 0.7.0)
+    parts: tuple[Part, ...] = Field(default=(), exclude_if=lambda value: not value)
+    companions: tuple[Companion, ...] = Field(default=(), exclude_if=lambda value: not value)
+    scalars: dict[str, float] = Field(default_factory=dict, exclude_if=lambda value: not value)
     fingerprint: str = ""
 
     @model_validator(mode="after")
@@ -172,7 +181,7 @@ class Layer(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"axes name one meaning twice: {names}")
         head = next((axis for axis in self.axes if axis.axis == "head"), None)
-        if self.kind == "attention" and "kv" not in names:
+        if self.kind == "attention" and "kv" not in names and not self._kv_in_parts():
             raise ValueError("an attention layer needs a kv axis")
         if head is not None and self.heads and len(self.heads) != head.size:
             raise ValueError(f"heads {list(self.heads)} do not match the head axis ({head.size})")
@@ -194,6 +203,8 @@ class Layer(BaseModel):
                 f"chunk_bytes {self.chunk_bytes} and page_bytes {self.page_bytes} are not what "
                 f"the axes make ({span} and {span * chunks})"
             )
+        if self.parts or self.companions:
+            self._parts_checked()
         fingerprint = _layer_fingerprint(self)
         if self.fingerprint and self.fingerprint != fingerprint:
             raise ValueError(
@@ -209,6 +220,67 @@ class Layer(BaseModel):
             )
         object.__setattr__(self, "fingerprint", fingerprint)
         return self
+
+    def _kv_in_parts(self) -> bool:
+        return any(axis == "kv" for part in self.parts for axis, _ in part.index or ())
+
+    def _parts_checked(self) -> None:
+        if self.parts:
+            element = next((a for a in self.axes if a.axis == "element"), None)
+            if element is None or (element.size > 1 and element.stride_bytes != self.itemsize):
+                raise ValueError(
+                    "parts lie in a row (the element axis, contiguous); this layer's element "
+                    f"axis is {element}"
+                )
+            parts_checked(
+                self.parts, self.row_bytes, self.kind, self.size_of("token"), self.scalars
+            )
+        for companion in self.companions:
+            if companion.num_blocks not in (0, self.num_blocks):
+                raise ValueError(
+                    f"companions[{companion.name!r}] holds {companion.num_blocks} blocks; the "
+                    f"layer holds {self.num_blocks}"
+                )
+
+    @property
+    def row_bytes(self) -> int:
+        """The bytes of one row: the element axis (one token's, head's, K or V's values)."""
+        return self.size_of("element") * self.itemsize
+
+    def parts_or_data(self) -> tuple[Part, ...]:
+        """The layer's parts; without any, the one ``data`` part of its dtype filling the row."""
+        if self.parts:
+            return self.parts
+        return (Part(name="data", offset_bytes=0, length_bytes=self.row_bytes, dtype=self.dtype),)
+
+    def part_at(self, page_byte: int) -> tuple[Part, int] | None:
+        """The part that page byte ``page_byte`` lies in, and its byte in the row; ``None`` for
+        a byte past the page or in no part (padding). A layer without parts: its ``data``."""
+        if not 0 <= page_byte < self.page_bytes:
+            return None
+        rest = page_byte % max(self.chunk_bytes, 1)
+        row = rest
+        for axis in sorted(self.axes, key=lambda a: -a.stride_bytes):
+            if axis.outer or axis.size == 1 or axis.axis == "element":
+                continue
+            index, rest = divmod(rest, axis.stride_bytes)
+            if index >= axis.size:
+                return None
+            row = rest
+        kv = 0
+        kv_axis = next((a for a in self.axes if a.axis == "kv"), None)
+        if kv_axis is not None and not kv_axis.outer and kv_axis.stride_bytes:
+            kv = page_byte % max(self.chunk_bytes, 1) // kv_axis.stride_bytes % kv_axis.size
+        for part in self.parts_or_data():
+            if part.kv is not None and part.kv != kv:
+                continue
+            relative = row - part.offset_bytes
+            if relative < 0:
+                continue
+            run, within = divmod(relative, part.stride_bytes) if part.count > 1 else (0, relative)
+            if run < part.count and within < part.length_bytes:
+                return part, row
+        return None
 
     def size_of(self, axis: str) -> int:
         """The length of a page axis, 1 when the page has none."""
@@ -372,6 +444,9 @@ def _refused(error: ValidationError, where: str, joint: str = ": ") -> ManifestE
     named, _, rest = message.partition(" ")
     if named in _NAMED_BY_MESSAGE:  # a check of several fields names the one it refuses
         field, message = f"{field}.{named}", rest
+    elif named.startswith(("parts[", "companions[")):  # a part's check names the part
+        field = re.sub(r"\.(parts|companions)\[\d+\]$", "", field)
+        field, message = f"{field}.{named.rstrip(':')}", rest
     field = field.lstrip(".") or "(manifest)"
     return ManifestError(f"{where}{joint if field[0] != '[' else ''}{field}", shown, message)
 
@@ -408,7 +483,23 @@ def _page_meaning(layer: Layer) -> dict[str, Any]:
         "chunk_bytes": layer.chunk_bytes,
         "axes": [[a.axis, a.size, "outer" if a.outer else a.stride_bytes] for a in layer.axes],
         "heads": list(layer.heads),
+        **_parts_meaning(layer),
     }
+
+
+def _parts_meaning(layer: Layer) -> dict[str, Any]:
+    """What the parts add to a page's meaning; nothing for a layer without them (its
+    fingerprint is the one of 0.7.0)."""
+    found: dict[str, Any] = {}
+    if layer.parts:
+        found["parts"] = [p.model_dump(mode="json", exclude_defaults=True) for p in layer.parts]
+    if layer.companions:
+        found["companions"] = [
+            c.model_dump(mode="json", exclude_defaults=True) for c in layer.companions
+        ]
+    if layer.scalars:
+        found["scalars"] = dict(sorted(layer.scalars.items()))
+    return found
 
 
 _FINGERPRINTS: dict[tuple[Any, ...], str] = {}
@@ -423,6 +514,9 @@ def _layer_fingerprint(layer: Layer) -> str:
         layer.chunk_bytes,
         tuple((a.axis, a.size, a.stride_bytes, a.outer) for a in layer.axes),
         layer.heads,
+        layer.parts,
+        layer.companions,
+        tuple(sorted(layer.scalars.items())),
     )
     found = _FINGERPRINTS.get(key)
     if found is None:

@@ -31,6 +31,8 @@ from safeview.manifest import (
     _nixl_rules,
     token_positions,
 )
+from safeview.manifest._formats import FORMATS
+from safeview.manifest._parts import PART_DTYPE_ITEMSIZE, part_code, part_of_code, swizzled
 
 if TYPE_CHECKING:
     import numpy as np
@@ -56,6 +58,8 @@ class Meaning:
     byte: int = 0
     block: int | None = None
     dtype: str | None = None
+    part: str | None = None
+    role: str | None = None
 
     def words(self) -> str:
         if self.status == "padding":
@@ -70,7 +74,9 @@ class Meaning:
         parts.append(f"token {self.token}")
         if self.head is not None:
             parts.append(f"head {self.head}")
-        parts.append(f"element {self.element}")
+        if self.part is not None:  # a layer with parts: which part, of which element type
+            parts.append(f"{self.part} ({self.dtype})")
+        parts.append(f"{'group' if self.role == 'scale' else 'element'} {self.element}")
         if self.byte:
             parts.append(f"byte {self.byte}")
         return " ".join(parts)
@@ -85,6 +91,7 @@ class Meaning:
             "element": self.element,
             "byte": self.byte,
             "dtype": self.dtype,
+            "part": self.part,
             "words": self.words(),
         }
 
@@ -93,7 +100,7 @@ DIFF_SCHEMA = "urn:safeview:diff:1"
 Rule = Literal["page_copy", "vllm_nixl", "in_place"]
 RULES: tuple[Rule, ...] = ("page_copy", "vllm_nixl", "in_place")
 MismatchKind = Literal["byte", "dtype", "missing_layer", "missing_rank", "refused"]
-_FIELDS = ("status", "block", "kv", "token", "head", "element", "byte")
+_FIELDS = ("status", "block", "kv", "token", "head", "element", "byte", "part")
 _DATA, _PADDING, _OUTSIDE, _UNFILLED = 0, 1, 2, 3
 
 
@@ -179,11 +186,15 @@ def _numpy() -> Any:
 
 
 def _decode_page(
-    layer: Layer, k: Array, token_base: Array | int = 0, tokens: Tokens | None = None
+    layer: Layer,
+    k: Array,
+    token_base: Array | int = 0,
+    tokens: Tokens | None = None,
+    tp: tuple[int, int] = (0, 1),
 ) -> dict[str, Array]:
     """Per page byte ``k`` (an array): its meaning, as arrays named after ``_FIELDS``; with
     ``tokens`` (each local slot's token position, context parallelism), the token is that
-    position, plus ``token_base``."""
+    position, plus ``token_base``; ``tp`` (rank, size) places a state's split segments."""
     np = _numpy()
     status = np.where((k >= 0) & (k < layer.page_bytes), _DATA, _OUTSIDE).astype(np.int64)
     safe = np.where(status == _DATA, k, 0)
@@ -200,6 +211,10 @@ def _decode_page(
         status = np.where((status == _DATA) & (index >= axis.size), _PADDING, status)
         values[axis.axis] = index
     status = np.where((status == _DATA) & (rest >= layer.itemsize), _PADDING, status)
+    if layer.parts:
+        part, rest, status = _decode_parts(layer, values, rest, status, tp)
+    else:
+        part = np.full_like(k, part_code("data", "data", layer.dtype))
     kv = values["kv"] if any(a.axis == "kv" for a in layer.axes) else np.full_like(k, 2)
     if layer.heads:
         table = np.asarray(layer.heads, dtype=np.int64)
@@ -219,7 +234,69 @@ def _decode_page(
         "head": np.where(data, head, 0),
         "element": np.where(data, values["element"], 0),
         "byte": np.where(data, rest, 0),
+        "part": np.where(data, part, -1),
     }
+
+
+def _decode_parts(
+    layer: Layer, values: dict[str, Array], rest: Array, status: Array, tp: tuple[int, int]
+) -> tuple[Array, Array, Array]:
+    """A row's bytes by part (``layer.parts``): which part each is in (its code), its element
+    (a scale's: the group it scales, in the order the part is stored), its byte; a part's
+    ``index`` names the (K/V, token, head, element) of each of its elements; a split segment's
+    element is its global one (``tp``: this rank of how many). Bytes in no part, or in a
+    ``pad`` part, are padding."""
+    np = _numpy()
+    row = values["element"] * layer.itemsize + rest
+    part = np.full_like(row, -1)
+    byte = np.zeros_like(row)
+    element = np.zeros_like(row)
+    overrides = {name: values[name].copy() for name in ("kv", "token", "head")}
+    tokens = layer.size_of("token")
+    for each in layer.parts:
+        relative = row - each.offset_bytes
+        if each.count > 1:
+            run, within = np.divmod(np.maximum(relative, 0), each.stride_bytes)
+            inside = (relative >= 0) & (run < each.count) & (within < each.length_bytes)
+        else:
+            run, within = np.zeros_like(row), relative
+            inside = (relative >= 0) & (relative < each.length_bytes)
+        if each.kv is not None:
+            inside &= values["kv"] == each.kv
+        if not inside.any():
+            continue
+        unit = PART_DTYPE_ITEMSIZE[each.dtype]
+        per_run = each.length_bytes // unit
+        local = run * per_run + within // unit
+        found = {"element": local}
+        if each.index is not None:
+            left = local
+            for axis, size in reversed(each.index):  # the head: local, as the page's own
+                left, found[axis] = np.divmod(left, size)
+        if each.order != "linear":
+            token = found.get("token", overrides["token"])
+            per_row = each.index[-1][1] if each.index is not None else per_run
+            found["token"], found["element"] = swizzled(
+                each.order, token, found["element"], tokens, per_row
+            )
+        if each.tp in ("heads", "segment") and tp[1] > 1 and each.index is not None:
+            width = dict(each.index).get("element", 1)  # this rank's share of the axis
+            found["element"] = tp[0] * width + found["element"]
+        elif each.tp in ("heads", "segment") and tp[1] > 1:
+            outer, inner = np.divmod(local, per_run)
+            found["element"] = outer * per_run * tp[1] + tp[0] * per_run + inner
+        part = np.where(inside, part_code(each.name, each.role, each.dtype), part)
+        byte = np.where(inside, within % unit, byte)
+        element = np.where(inside, found["element"], element)
+        for name in ("kv", "token", "head"):
+            if name in found:
+                overrides[name] = np.where(inside, found[name], overrides[name])
+        if each.role == "pad":
+            status = np.where(inside, _PADDING, status)
+    status = np.where((status == _DATA) & (part < 0), _PADDING, status)
+    values["element"] = element
+    values.update(overrides)
+    return part, byte, status
 
 
 def _decode_address(layer: Layer, address: Array) -> dict[str, Array]:
@@ -250,6 +327,7 @@ def _meaning_at(fields: dict[str, Array], at: int, layer: Layer, with_block: boo
         return Meaning(words[status], dtype=layer.dtype)  # type: ignore[arg-type]
     kv = int(fields["kv"][at])
     head = int(fields["head"][at])
+    name, role, dtype = part_of_code(int(fields["part"][at]))
     return Meaning(
         "data",
         kv=None if kv == 2 else kv,
@@ -258,7 +336,9 @@ def _meaning_at(fields: dict[str, Array], at: int, layer: Layer, with_block: boo
         element=int(fields["element"][at]),
         byte=int(fields["byte"][at]),
         block=int(fields["block"][at]) if with_block else None,
-        dtype=layer.dtype,
+        dtype=dtype,
+        part=name if layer.parts else None,
+        role=role if layer.parts else None,
     )
 
 
@@ -269,6 +349,8 @@ _Result = tuple[int, Meaning, Meaning, int] | None  # receiver byte, both meanin
 # table and first position, the sender's the same (``None``: identity, position 0)
 Tokens = tuple[int, ...]
 _TokenPlaces = tuple[Tokens | None, int, Tokens | None, int]
+# each side's (TP rank, TP size), where a state's segments are split by TP
+_Tps = tuple[tuple[int, int], tuple[int, int]]
 
 
 def _first_difference(
@@ -309,8 +391,9 @@ def _compare_pieces(
     ratio: int,
     permute: bool,
     places: _TokenPlaces | None = None,
+    tps: _Tps | None = None,
 ) -> _Result:
-    if places is None and _copied_whole(receiver, senders, pieces, ratio, permute):
+    if places is None and tps is None and _copied_whole(receiver, senders, pieces, ratio, permute):
         return None
     key = (
         "pieces",
@@ -320,9 +403,10 @@ def _compare_pieces(
         ratio,
         permute,
         places,
+        tps,
     )
     return _remembered(
-        key, lambda: _fill_and_compare(receiver, senders, pieces, ratio, permute, places)
+        key, lambda: _fill_and_compare(receiver, senders, pieces, ratio, permute, places, tps)
     )
 
 
@@ -357,11 +441,13 @@ def _fill_and_compare(
     ratio: int,
     permute: bool,
     places: _TokenPlaces | None = None,
+    tps: _Tps | None = None,
 ) -> _Result:
     """Fill a receiver page from the senders' pages as ``pieces`` say (then permute, as vLLM's
     receive-side reorder does), and compare meanings byte by byte; with ``places``, tokens
     are compared by position (context parallelism)."""
     mine, mine_base, theirs, theirs_base = places or (None, 0, None, 0)
+    mine_tp, theirs_tp = tps or ((0, 1), (0, 1))
     size = receiver.page_bytes
     for k in _slices(size):
         pre = k
@@ -379,10 +465,10 @@ def _fill_and_compare(
             mask = (pre >= piece.receiver_start) & (pre < piece.receiver_start + piece.length)
             source = pre[mask] - piece.receiver_start + piece.sender_start
             base = theirs_base + piece.sub_block * sender.size_of("token")
-            decoded = _decode_page(sender, source, base, theirs)
+            decoded = _decode_page(sender, source, base, theirs, theirs_tp)
             for name in _FIELDS:
                 sent[name][mask] = decoded[name]
-        received = _decode_page(receiver, k, mine_base, mine)
+        received = _decode_page(receiver, k, mine_base, mine, mine_tp)
         found = _first_difference(receiver, received, sent, senders[0])
         if found is not None:
             return (int(k[0]) + found[0], *found[1:])
@@ -416,7 +502,9 @@ def _compare_in_place(receiver: Layer, sender: Layer, per_layer: bool) -> _Resul
 def _per_layer(manifest: Manifest) -> bool:
     """A side that reads or writes a list of per-layer tensors (``assumed("NL_X_...")``): each
     of its layers starts at the other side's layer's first byte, wherever that lies."""
-    return (manifest.topology.layout or "").upper().startswith("NL_X_")
+    layout = manifest.topology.layout or ""
+    named = FORMATS.get(layout)
+    return layout.upper().startswith("NL_X_") or (named is not None and named.per_layer)
 
 
 def _read_in_place(receiver: Layer, sender: Layer, shift: int) -> _Result:
@@ -630,7 +718,8 @@ def _pair(
     topologies: tuple[Topology, Topology] | None = None,
 ) -> list[Finding]:
     spread = topologies is not None and max(t.cp_size for t in topologies) > 1
-    if mine.dtype != theirs.dtype:
+    tps = _segment_tps(mine, theirs, topologies)
+    if mine.dtype != theirs.dtype and not (mine.parts or theirs.parts):
         dtype = Finding.diff_dtype(
             name,
             reads=mine.dtype,
@@ -642,7 +731,7 @@ def _pair(
         return [dtype]
     if rule == "in_place":
         found = _compare_in_place(mine, theirs, per_layer)
-    elif mine.fingerprint == theirs.fingerprint and not spread:
+    elif mine.fingerprint == theirs.fingerprint and not spread and tps is None:
         found = None  # the same meaning for every page byte: a page copy changes nothing
     else:
         length = min(mine.page_bytes, theirs.page_bytes)
@@ -653,7 +742,7 @@ def _pair(
             places = None
             if spread and topologies is not None:
                 places = _places(mine, theirs, topologies, block, block)
-            found = _compare_pieces(mine, (theirs,), (piece,), 1, False, places)
+            found = _compare_pieces(mine, (theirs,), (piece,), 1, False, places, tps)
             if found is not None and topologies is not None:
                 where = f"{where} (block {block})" if block else where
                 where += _spans(mine, theirs, topologies)
@@ -672,6 +761,61 @@ def _pair(
         )
     if found is not None:
         findings.append(_byte_finding(name, found, rule, where, rank, sources))
+    findings += _beside_page(name, mine, theirs, rank, sources, where)
+    return findings
+
+
+def _segment_tps(
+    mine: Layer, theirs: Layer, topologies: tuple[Topology, Topology] | None
+) -> _Tps | None:
+    """Each side's (TP rank, size) where either layer has a segment split by TP and the two
+    differ: the same bytes then hold other global elements."""
+    if topologies is None:
+        return None
+    split = any(p.tp in ("heads", "segment") for p in (*mine.parts, *theirs.parts))
+    tps = tuple((t.tp_rank, t.tp_size) for t in topologies)
+    if not split or tps[0] == tps[1]:
+        return None
+    return (tps[0], tps[1])
+
+
+def _beside_page(
+    name: str, mine: Layer, theirs: Layer, rank: int, sources: tuple[int, ...], where: str
+) -> list[Finding]:
+    """What two layers must agree on outside their pages: the scalars carried by value
+    (``k_scale``), and the companion tensors tied to them (a scale pool: its element type,
+    bytes per block and granularity), each named."""
+    findings = []
+    for key in sorted(set(mine.scalars) | set(theirs.scalars)):
+        reads, wrote = mine.scalars.get(key), theirs.scalars.get(key)
+        if reads != wrote:
+            how = "differently" if None not in (reads, wrote) else "without it on one side"
+            message = (
+                f"{name}: the receiver's {key} is {reads}, the sender's {wrote}: every "
+                f"element it scales is read {how}{where}"
+            )
+            findings.append(
+                Finding._of_layer(
+                    "dtype", name, message, byte=0, receiver_rank=rank, sender_ranks=sources
+                )
+            )
+    ours = {c.name: c for c in mine.companions}
+    others = {c.name: c for c in theirs.companions}
+    for key in sorted(set(ours) | set(others)):
+        a, b = ours.get(key), others.get(key)
+        if a is not None and b is not None and (a.dtype, a.bytes_per_block, a.granularity,
+                                                a.group_elements) == (
+            b.dtype, b.bytes_per_block, b.granularity, b.group_elements
+        ):  # fmt: skip
+            continue
+        said = "has none" if b is None else f"holds {b.dtype}, {b.bytes_per_block} bytes a block"
+        has = "has none" if a is None else f"reads {a.dtype}, {a.bytes_per_block} bytes a block"
+        message = f"{name}: companion {key!r}: the receiver {has}, the sender {said}{where}"
+        findings.append(
+            Finding._of_layer(
+                "dtype", name, message, byte=0, receiver_rank=rank, sender_ranks=sources
+            )
+        )
     return findings
 
 
@@ -741,6 +885,10 @@ def _nixl_rank(
             outcome = outcomes[key] = _nixl_layer(rank, layer, sides, sent, mine, theirs, gone)
         if outcome is not None and outcome is not _LEFT_OUT:
             findings.append(_nixl_finding(name, outcome, rank, where))
+        beside = [(r, o) for (r, _), o in zip(sides, sent) if o is not None]
+        if beside and (layer.scalars or layer.companions or beside[0][1].scalars or
+                       beside[0][1].companions):  # fmt: skip
+            findings += _beside_page(name, layer, beside[0][1], rank, (beside[0][0],), where)
     return findings
 
 
@@ -789,7 +937,8 @@ def _nixl_layer(
         return ("missing_rank", missing[0], sources)
     theirs_layers = tuple(by_rank[piece.sender_rank] for piece in plan.pieces)
     dtypes = {other.dtype for other in theirs_layers if other is not None}
-    if dtypes != {layer.dtype}:
+    with_parts = layer.parts or any(o is not None and o.parts for o in theirs_layers)
+    if dtypes != {layer.dtype} and not with_parts:
         return ("dtype", layer.dtype, ", ".join(sorted(dtypes)), sources)
     found = _compare_pieces(
         layer,
@@ -835,7 +984,7 @@ def _nixl_context_parallel(
     for source in sources:
         other = by_rank[source]
         assert other is not None
-        if other.dtype != layer.dtype:
+        if other.dtype != layer.dtype and not (layer.parts or other.parts):
             return ("dtype", layer.dtype, other.dtype, sources)
         pairs = _nixl_rules.dcp_pairs(
             mine.dcp_size, mine.dcp_rank, theirs.dcp_size, source, count=2

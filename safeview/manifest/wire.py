@@ -71,7 +71,8 @@ def _page_key(layer: Layer) -> tuple[Any, ...]:
     # everything a Layer holds but its first byte: layers of one key share a page on the wire
     return (
         layer.kind, layer.dtype, layer.group, layer.num_blocks, layer.block_stride_bytes,
-        layer.page_bytes, layer.chunk_bytes, layer.axes, layer.heads,
+        layer.page_bytes, layer.chunk_bytes, layer.axes, layer.heads, layer.parts,
+        layer.companions, tuple(sorted(layer.scalars.items())),
     )  # fmt: skip
 
 

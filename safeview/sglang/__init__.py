@@ -45,8 +45,10 @@ KNOWN_VERSIONS = ("0.5.23",)
 _PATCHED = "__safeview_guarded__"
 
 
+@functools.cache
 def sglang_version() -> str:
-    """The installed SGLang's version, or why there is none (for events; never raises)."""
+    """The installed SGLang's version, or why there is none (for events; never raises; read
+    once a process: the package metadata lookup costs milliseconds)."""
     try:
         from importlib.metadata import version
 
@@ -185,13 +187,50 @@ def _separate_layer(name: str, pool: Any, tensor: Any) -> Layer:
     )
 
 
+_STATE_NOT_JUDGED = {
+    "SWAKVPool": (
+        "its sliding-window pool (get_state_buf_infos) moves as state slices "
+        "(_send_swa_state_slice) by SGLang's own window indices, which safeview does not model"
+    ),
+    "HybridLinearKVPool": (
+        "its Mamba conv and temporal states (get_state_buf_infos) move as state slices "
+        "(_send_mamba_state, _send_mamba_state_slice), which safeview does not model"
+    ),
+    "HybridReqToTokenPool": (
+        "its Mamba conv and temporal states (get_state_buf_infos) move as state slices "
+        "(_send_mamba_state, _send_mamba_state_slice), which safeview does not model"
+    ),
+}
+"""SGLang 0.5.23's pools whose state safeview leaves to SGLang: why, by class name."""
+
+
+def _state_pool_reason(pool: Any) -> str | None:
+    for cls in type(pool).__mro__:
+        if cls.__name__ in _STATE_NOT_JUDGED:
+            return f"{cls.__name__}: {_STATE_NOT_JUDGED[cls.__name__]}"
+    if hasattr(pool, "swa_kv_pool"):
+        return f"{type(pool).__name__}: {_STATE_NOT_JUDGED['SWAKVPool']}"
+    if hasattr(pool, "mamba_pool"):
+        return f"{type(pool).__name__}: {_STATE_NOT_JUDGED['HybridLinearKVPool']}"
+    return None
+
+
 def describe_pool(pool: Any, *, topology: Topology | Mapping[str, Any] | None = None) -> Manifest:
     """The manifest of an SGLang 0.5.23 token-to-KV pool (see the module's docstring), read off
     its tensors' strides: the pool may live on any device, ``meta`` included. ``topology`` says
     which attention-TP rank of how many this is and the model's total KV heads (SGLang's
     ``attn_tp_rank``, ``attn_tp_size``, ``total_kv_head_num``; DCP as ``dcp_size``/``dcp_rank``);
     the page size becomes the block tokens. ``ArgumentError`` for a pool it does not know;
-    ``ManifestError`` naming the layer and axis for one whose strides it cannot read."""
+    ``ManifestError`` naming the layer and axis for one whose strides it cannot read. A
+    sliding-window (``SWAKVPool``) or Mamba hybrid pool is an ``ArgumentError`` saying why its
+    state is not judged; its full-attention KV (``pool.full_kv_pool``, the buffers SGLang
+    registers as KV regions) is described as the MHA pool it is."""
+    state = _state_pool_reason(pool)
+    if state is not None:
+        raise ArgumentError(
+            f"{state}; describe its full-attention KV, pool.full_kv_pool, which SGLang "
+            "registers as the KV regions (layers named by their index in that pool)"
+        )
     page_size = _page_size(pool)
     known = Topology.model_validate(dict(topology)) if isinstance(topology, Mapping) else topology
     known = known or Topology()
@@ -319,6 +358,37 @@ def _wrap_pool_class(cls: type) -> None:
     setattr(cls, "get_contiguous_buf_infos", get_contiguous_buf_infos)  # noqa: B010
 
 
+def _wrap_state_class(cls: type, reason: str) -> None:
+    """``cls.get_state_buf_infos`` says first, once a process, that the state is not judged."""
+    original = cls.__dict__.get("get_state_buf_infos")
+    if original is None or getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def get_state_buf_infos(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step_aside(f"{cls.__name__} state not judged", reason)
+        return original(self, *args, **kwargs)
+
+    setattr(get_state_buf_infos, _PATCHED, True)
+    setattr(cls, "get_state_buf_infos", get_state_buf_infos)  # noqa: B010
+
+
+def _wrap_state_pools() -> None:
+    """The state pools SGLang 0.5.23 builds (``_STATE_NOT_JUDGED``), where they import."""
+    import importlib
+
+    for module, name in (
+        ("sglang.srt.mem_cache.swa_memory_pool", "SWAKVPool"),
+        ("sglang.srt.mem_cache.memory_pool", "HybridLinearKVPool"),
+        ("sglang.srt.mem_cache.memory_pool", "HybridReqToTokenPool"),
+    ):
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue  # an SGLang without it builds none
+        _wrap_state_class(cls, _STATE_NOT_JUDGED[name])
+
+
 def install() -> None:
     """The ``sglang.srt.plugins`` entry point: safeview on SGLang's Mooncake disaggregation in
     this process (``safeview.sglang._mooncake``), once; with ``SAFEVIEW_SGLANG=0`` nothing.
@@ -336,6 +406,7 @@ def install() -> None:
 
         for cls in (MHATokenToKVPool, MLATokenToKVPool):
             _wrap_pool_class(cls)
+        _wrap_state_pools()
         _mooncake.install_manager()
     except Exception as error:
         log.integration(

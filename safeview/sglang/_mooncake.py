@@ -1,7 +1,7 @@
 """SGLang 0.5.23's Mooncake manager (``sglang.srt.disaggregation.mooncake.conn``), guarded.
 
-Four places, patched on the classes (every manager of the process), none changing what SGLang
-does when safeview is off or has nothing to say:
+Patched on the classes (every manager of the process), none changing what SGLang does when
+safeview is off or has nothing to say:
 
 - ``MooncakeKVManager.register_buffer_to_engine``: before Mooncake's ``batch_register``, every
   KV region SGLang hands it (``kv_args.kv_data_ptrs`` and ``kv_data_lens``) must lie inside the
@@ -12,29 +12,42 @@ does when safeview is off or has nothing to say:
   (``safeview.manifest.wire``). ``KVArgsRegisterInfo.from_zmq`` reads SGLang's frames by
   position and never this one: a P without safeview ignores it.
 - ``MooncakeKVManager._publish_peer_registration`` (P): after SGLang's own verdict, P judges
-  D's manifest against its own (``safeview.manifest.peer.judge_peer``, rule ``page_copy``: page
-  ``b`` of each region into page ``b`` of D's). Under strict a mismatch is returned as the
-  rejection reason, which SGLang already keeps per decode session and with which it fails every
-  transfer to that session, before a byte moves. Under warn: a ``layout_mismatch`` event, and
-  SGLang goes on as it would.
-- ``MooncakeKVManager._transfer_data`` (P; every batch of ``_send_kvcache_generic``, and the
-  metadata and state batches, which it leaves alone): each KV row's source must be whole pages
-  of P's pool and its destination whole pages of D's, D's pages placed at the pointers D
-  registered with the lengths of D's manifest (``safeview.transfer.check_descriptors``). Under
-  strict a batch with a finding is not run: SGLang gets the failure code Mooncake would give
-  and fails the request; under warn, an ``address_violation`` event and the batch runs.
+  D's manifest against its own (``safeview.manifest.peer.judge_peer``): rule ``page_copy``
+  (page ``b`` of each region into page ``b`` of D's) at equal attention TP; at another
+  attention-TP size, the run of heads SGLang's ``send_kvcache_slice`` copies per token slot
+  (``safeview.sglang._slices``), by the same rule. Under strict a mismatch, or a manifest that
+  cannot be read, is returned as the rejection reason, which SGLang already keeps per decode
+  session and with which it fails every transfer to that session, before a byte moves. Under
+  warn: the event, and SGLang goes on as it would. Then, to a D that sent a manifest (so runs
+  safeview), P sends its own on the ZMQ channel P already uses for D's status messages:
+  frames ``safeview.manifest:`` + P's manifest, P's ``ip:port``, item length, attention-TP rank
+  and size.
+- ``MooncakeKVManager.handle_chunk_ready`` (D; the first handler SGLang's decode thread offers
+  every message): P's manifest frame is taken there and judged the same way, receiver D. Under
+  strict a mismatch fails every receiver of that P (``MooncakeKVReceiver.poll``), as SGLang
+  fails a transfer, with the reason. P sends its manifest before it reads D's first transfer
+  request, so D's verdict is in before P's status for any request of that P.
+- P's transfer engine (``manager.engine``, wrapped once the manager registered): every Mooncake
+  batch SGLang's sender builds (``_transfer_data``: ``_send_kvcache_generic``, the state slices,
+  staging; and ``send_kvcache_slice``, which calls ``batch_transfer_sync`` itself): each KV row's
+  source must lie in P's pool pages and its destination in D's, D's pages placed at the pointers
+  D registered with the lengths of D's manifest (``safeview.transfer.check_descriptors``; whole
+  pages at equal attention TP, slices inside one page otherwise). Under strict a batch with a
+  finding is not run: SGLang gets the failure code Mooncake would give and fails the request;
+  under warn, an ``address_violation`` event and the batch runs. Rows of no pool safeview read
+  (metadata, Mamba/SWA state) are left to SGLang.
 
-Pairs not judged (an event says why): D sent no manifest (no safeview there), another
-attention-TP size (SGLang slices heads in ``send_kvcache_slice``; not modelled yet), DCP.
+Pairs not judged (an event says why): D sent no manifest (no safeview there), DCP.
 safeview's own failure never stops SGLang: one ``integration_unavailable`` event.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import Any
 
-from safeview.errors import AddressError, LayoutMismatchError
+from safeview.errors import AddressError, ManifestError, SafeViewError
 from safeview.manifest import Layer, Manifest, Topology
 from safeview.manifest.peer import judge_peer
 from safeview.manifest.wire import from_wire, to_wire
@@ -46,12 +59,14 @@ from safeview.sglang import (
     pool_of,
     step_aside,
 )
+from safeview.sglang._slices import SliceCopy, slice_copy, slice_manifests
 from safeview.transfer import MemoryMap, StorageSpan, ViewSpan, check_descriptors
 
 __all__ = ["MANIFEST_FRAME", "install_manager"]
 
 MANIFEST_FRAME = b"safeview.manifest:"
-"""The prefix of the frame that carries D's manifest in SGLang's registration message."""
+"""The prefix of the frame that carries a manifest: D's in SGLang's registration message, P's
+in the message P sends back to a D that sent one."""
 
 _PATCHED = "__safeview_guarded__"
 _STATE = "_safeview_state"
@@ -62,15 +77,20 @@ class _Side:
     """What safeview knows of one manager: the policy in force when it registered, its pool and
     its manifest (``None`` when its pool is not one safeview read)."""
 
-    __slots__ = ("local", "manifest", "peers", "policy", "pool")
+    __slots__ = ("buffers", "local", "manifest", "peers", "policy", "pool", "refusals")
 
     def __init__(self, policy: Policy, pool: Any, manifest: Manifest | None) -> None:
         self.policy = policy
         self.pool = pool
         self.manifest = manifest
         self.local: MemoryMap | None = None  # the pool's pages, once P first transfers
-        # decode session -> its KV pages (its pointers, its manifest's lengths), once judged
-        self.peers: dict[str, MemoryMap] = {}
+        # the pool's buffers' bytes (start, end, name) by start, and their starts
+        self.buffers: tuple[list[int], list[tuple[int, int, str | None]]] = ([], [])
+        # P: decode session -> its KV pages (its pointers, its manifest's lengths), and whether
+        # SGLang moves whole pages to it (equal attention TP) or slices of them
+        self.peers: dict[str, tuple[MemoryMap, bool]] = {}
+        # D: a prefill rank's "ip:port" -> why its transfers are refused (strict only)
+        self.refusals: dict[str, str] = {}
 
 
 def _topology(manager: Any) -> Topology:
@@ -125,8 +145,10 @@ def check_registration(manager: Any, side: _Side) -> None:
     )
 
 
-def _wrap(cls: type, name: str, make: Any) -> None:
-    original = cls.__dict__[name]
+def _wrap(cls: type, name: str, make: Any, *, inherited: bool = False) -> None:
+    """``cls.name`` replaced by ``make(original)``, once; ``inherited``: the method may come
+    from a base class (it is set on ``cls`` itself)."""
+    original = getattr(cls, name) if inherited else cls.__dict__[name]
     function = getattr(original, "__func__", original)  # a classmethod's function
     if getattr(function, _PATCHED, False):
         return
@@ -135,9 +157,15 @@ def _wrap(cls: type, name: str, make: Any) -> None:
     setattr(cls, name, wrapper)
 
 
+def _is_prefill(manager: Any) -> bool:
+    mode = manager.disaggregation_mode
+    return str(getattr(mode, "value", mode)) == "prefill"
+
+
 def _register_buffer_to_engine(original: Any) -> Any:
     @functools.wraps(original)
     def register_buffer_to_engine(self: Any) -> Any:
+        side = None
         try:
             side = _side(self)
             if side.pool is not None and side.policy is not Policy.OFF:
@@ -146,7 +174,14 @@ def _register_buffer_to_engine(original: Any) -> Any:
             raise  # a finding, under strict: the start-up stops with its numbers
         except Exception as error:  # safeview's own failure, or an SGLang it does not know
             step_aside("registration left unchecked", f"{type(error).__name__}: {error}")
-        return original(self)
+        done = original(self)
+        try:  # P's sends, every path of them, go through its engine's batch_transfer_sync
+            judged = side is not None and side.pool is not None and side.policy is not Policy.OFF
+            if judged and _is_prefill(self) and not isinstance(self.engine, JudgedEngine):
+                self.engine = JudgedEngine(self.engine, self)
+        except Exception as error:
+            step_aside("transfers left unjudged", f"{type(error).__name__}: {error}")
+        return done
 
     return register_buffer_to_engine
 
@@ -186,12 +221,86 @@ def _from_zmq(original: Any) -> Any:
     return classmethod(from_zmq)
 
 
-def judge_decode_peer(manager: Any, session: str, info: Any) -> LayoutMismatchError | None:
+def refusal_text(
+    error: Exception,
+    *,
+    prefill_item_bytes: int | None,
+    decode_item_bytes: int | None,
+    copy: SliceCopy | None = None,
+) -> str:
+    """The reason SGLang keeps for a refused pair: safeview's first finding; the first byte
+    that differs when that finding is another kind (a page length, a dtype); SGLang's own item
+    lengths when they differ (sglang#19398: bf16 into fp8 moves the prefill's item length into
+    pages half as long); at another attention TP (``copy``), what a "page" is there."""
+    text = f"safeview: {error}"
+    if copy is not None:
+        text += (
+            f" (a page here is the run SGLang's send_kvcache_slice copies per token slot: "
+            f"{copy.length:,} bytes from slot byte {copy.sender_offset:,} of the prefill's "
+            f"into slot byte {copy.receiver_offset:,} of the decode's)"
+        )
+    findings = getattr(error, "findings", ())
+    if findings and getattr(findings[0], "receiver_reads", None) is None:
+        byte = next((f for f in findings if getattr(f, "receiver_reads", None) is not None), None)
+        if byte is not None:
+            text += f"; the first byte that differs: {byte.message}"
+    if copy is None and prefill_item_bytes and decode_item_bytes != prefill_item_bytes:
+        text += (
+            f"; SGLang's item lengths differ: the prefill's {prefill_item_bytes:,} bytes an "
+            f"item, the decode's {decode_item_bytes:,} (SGLang moves the prefill's)"
+        )
+    return text
+
+
+def judge_pair(
+    sender: Manifest,
+    receiver: Manifest,
+    *,
+    sender_tp: tuple[int, int],
+    receiver_tp: tuple[int, int],
+    total_heads: int | None,
+    page_size: int,
+    receiver_item_bytes: int,
+    fields: dict[str, Any],
+    policy: Policy,
+) -> tuple[SafeViewError | None, SliceCopy | None]:
+    """One verdict on P's manifest into D's, as SGLang 0.5.23 moves the bytes: page by page at
+    equal attention TP (rule ``page_copy``); at another attention-TP size, each token slot's
+    run of heads ``send_kvcache_slice`` copies (``safeview.sglang._slices``), by the same rule.
+    One event; the error under strict, and the run judged (``None`` at equal TP)."""
+    if sender_tp[1] == receiver_tp[1]:
+        return judge_peer(
+            receiver, [sender], against="handshake", fields=fields, rule="page_copy",
+            policy=policy,
+        ), None  # fmt: skip
+    heads = total_heads or sender.topology.total_kv_heads or receiver.topology.total_kv_heads
+    if not heads:
+        reason = "attention TP differs and neither side says the model's total KV heads"
+        return judge_peer(receiver, None, against="handshake", fields=fields, reason=reason,
+                          policy=policy), None  # fmt: skip
+    copy = slice_copy(
+        sender_tp=sender_tp,
+        receiver_tp=receiver_tp,
+        total_heads=heads,
+        page_size=page_size,
+        receiver_item_bytes=receiver_item_bytes,
+    )
+    runs_sent, runs_read = slice_manifests(sender, receiver, copy)
+    return judge_peer(
+        runs_read, [runs_sent], against="handshake",
+        fields={"fingerprint": receiver.fingerprint, **fields}, rule="page_copy", policy=policy,
+    ), copy  # fmt: skip
+
+
+def judge_decode_peer(
+    manager: Any, session: str, info: Any
+) -> tuple[SafeViewError | None, SliceCopy | None]:
     """P's verdict on the decode peer that registered as ``info`` (SGLang's
-    ``KVArgsRegisterInfo``): one event, and the error under strict."""
+    ``KVArgsRegisterInfo``): one event, and the error under strict (a manifest that cannot be
+    read included), with the run judged at another attention TP."""
     side = _side(manager)
     if side.policy is Policy.OFF or side.manifest is None:
-        return None
+        return None, None
     mine = side.manifest
     fields = {
         "engine": mine.topology.engine,
@@ -206,34 +315,113 @@ def judge_decode_peer(manager: Any, session: str, info: Any) -> LayoutMismatchEr
     raw: bytes | None = getattr(info, "_safeview_manifest", None)
     if raw is None:
         reason = "the decode peer sent no manifest (no safeview there)"
-    elif int(info.dst_attn_tp_size) != mine.topology.tp_size:
-        reason = (
-            f"attention TP differs (prefill {mine.topology.tp_size}, decode "
-            f"{info.dst_attn_tp_size}): SGLang slices heads (send_kvcache_slice), which "
-            "safeview does not model yet"
-        )
     elif int(getattr(info, "dst_dcp_size", 1) or 1) > 1 or int(manager.dcp_size or 1) > 1:
         reason = "decode context parallelism: not modelled yet"
     if reason is not None or raw is None:
         side.peers.pop(session, None)
         return judge_peer(mine, None, against=None, fields=fields, reason=reason,
-                          policy=side.policy)  # fmt: skip
-    theirs = from_wire(raw, peer=f"sglang decode session {session}")
+                          policy=side.policy), None  # fmt: skip
+    try:
+        theirs = from_wire(raw, peer=f"sglang decode session {session}")
+    except ManifestError as bad:  # truncated, forged, another schema: refused under strict
+        side.peers.pop(session, None)
+        judge_peer(mine, None, against="handshake", fields=fields, policy=side.policy,
+                   reason=f"the decode peer's manifest cannot be judged: {bad}")  # fmt: skip
+        return (bad if side.policy is Policy.STRICT else None), None
+    same_tp = int(info.dst_attn_tp_size) == mine.topology.tp_size
     peer = peer_memory_map(theirs, [int(p) for p in info.dst_kv_ptrs])
     if peer is not None:
-        side.peers[session] = peer
+        side.peers[session] = (peer, same_tp)
     else:
         side.peers.pop(session, None)
-    return judge_peer(
+    return judge_pair(
+        mine,
         theirs,
-        [mine],
-        against="handshake",
+        sender_tp=(mine.topology.tp_rank, mine.topology.tp_size),
+        receiver_tp=(int(info.dst_tp_rank), int(info.dst_attn_tp_size)),
+        total_heads=mine.topology.total_kv_heads,
+        page_size=int(manager.kv_args.page_size),
+        receiver_item_bytes=int(info.dst_kv_item_len),
         fields={**fields, "engine": theirs.topology.engine, "fingerprint": theirs.fingerprint,
                 "remote_engine": mine.topology.engine, "remote_tp_size": mine.topology.tp_size,
                 "tp_rank": theirs.topology.tp_rank, "tp_size": theirs.topology.tp_size},
-        rule="page_copy",
         policy=side.policy,
     )  # fmt: skip
+
+
+def judge_prefill_peer(manager: Any, msg: list[bytes]) -> None:
+    """D's verdict on the prefill rank whose manifest ``msg`` carries (see the module's
+    docstring): one event; under strict a refusal every receiver of that rank fails with."""
+    side = _side(manager)
+    if side.policy is Policy.OFF or side.manifest is None:
+        return
+    mine = side.manifest
+    endpoint = msg[1].decode("ascii")
+    prefill_item = int(msg[2].decode("ascii"))
+    prefill_tp = (int(msg[3].decode("ascii")), int(msg[4].decode("ascii")))
+    fields = {
+        "engine": mine.topology.engine,
+        "tp_rank": mine.topology.tp_rank,
+        "tp_size": mine.topology.tp_size,
+        "remote_engine": f"sglang-prefill@{endpoint}",
+        "remote_tp_size": prefill_tp[1],
+        "when": "handshake",
+        "fingerprint": mine.fingerprint,
+    }
+    error: SafeViewError | None
+    copy = None
+    if int(manager.dcp_size or 1) > 1:
+        judge_peer(mine, None, against="handshake", fields=fields, policy=side.policy,
+                   reason="decode context parallelism: not modelled yet")  # fmt: skip
+        return
+    try:
+        theirs = from_wire(msg[0][len(MANIFEST_FRAME) :], peer=f"sglang prefill {endpoint}")
+    except ManifestError as bad:
+        judge_peer(mine, None, against="handshake", fields=fields, policy=side.policy,
+                   reason=f"the prefill peer's manifest cannot be judged: {bad}")  # fmt: skip
+        error = bad if side.policy is Policy.STRICT else None
+    else:
+        error, copy = judge_pair(
+            theirs,
+            mine,
+            sender_tp=prefill_tp,
+            receiver_tp=(mine.topology.tp_rank, mine.topology.tp_size),
+            total_heads=theirs.topology.total_kv_heads,
+            page_size=int(manager.kv_args.page_size),
+            receiver_item_bytes=int(manager.kv_args.kv_item_lens[0]),
+            fields=fields,
+            policy=side.policy,
+        )
+    if error is None:
+        side.refusals.pop(endpoint, None)
+        return
+    side.refusals[endpoint] = refusal_text(
+        error,
+        prefill_item_bytes=prefill_item,
+        decode_item_bytes=int(manager.kv_args.kv_item_lens[0]),
+        copy=copy,
+    )
+
+
+def send_manifest_to_decode(manager: Any, info: Any) -> None:
+    """P's manifest to the D that registered as ``info``, on the ZMQ channel P sends D's status
+    messages on (SGLang's own socket for that endpoint)."""
+    from sglang.srt.disaggregation.mooncake.conn import (  # type: ignore[import-not-found,unused-ignore]
+        NetworkAddress,
+    )
+
+    side = _side(manager)
+    if side.manifest is None:
+        return
+    address = NetworkAddress(info.endpoint, int(info.dst_port))
+    frames = [
+        MANIFEST_FRAME + to_wire(side.manifest),
+        f"{manager.local_ip}:{manager.rank_port}".encode("ascii"),
+        str(int(manager.kv_args.kv_item_lens[0])).encode("ascii"),
+        str(int(manager.attn_tp_rank)).encode("ascii"),
+        str(int(manager.attn_tp_size)).encode("ascii"),
+    ]
+    manager._send_multipart_locked(address.to_tcp(), frames, is_ipv6=address.is_ipv6)
 
 
 def peer_memory_map(manifest: Manifest, pointers: list[int]) -> MemoryMap | None:
@@ -269,69 +457,121 @@ def peer_memory_map(manifest: Manifest, pointers: list[int]) -> MemoryMap | None
 
 
 def check_transfer(manager: Any, side: _Side, session: str, blocks: Any) -> bool:
-    """The KV rows of one of SGLang's Mooncake batches (``(src, dst, length)``, as
-    ``_transfer_data`` gets them) judged before Mooncake moves a byte: each source row whole
-    pages of P's pool, each destination row whole pages of D's (its pointers, its manifest's
-    lengths). Rows whose source is not in P's pool (metadata, state) are left to SGLang.
-    Returns whether the batch may go (under warn, always); logs an ``address_violation`` per
-    finding."""
-    peer = side.peers.get(session)
-    if peer is None or side.pool is None:
+    """The KV rows of one Mooncake batch SGLang's sender built (``(src, dst, length)``) judged
+    before Mooncake moves a byte: each source row in P's pool pages, each destination row in
+    D's (its pointers, its manifest's lengths): whole pages at equal attention TP, inside one
+    page otherwise (``send_kvcache_slice``'s token-slot runs). Rows whose source is not in P's
+    pool (metadata, state) are left to SGLang. Returns whether the batch may go (under warn,
+    always); logs an ``address_violation`` per finding."""
+    known = side.peers.get(session)
+    if known is None or side.pool is None:
         return True
+    peer, whole_pages = known
     local = side.local
     if local is None:
         local = side.local = pool_memory_map(side.pool)
-    spans = [(s.address, s.address + s.nbytes) for s in local.storages]
+        side.buffers = _buffer_spans(local)
+    starts, spans = side.buffers
+    spans_of_storages = [(s.address, s.address + s.nbytes) for s in local.storages]
     kv_rows = [
         (int(src), int(dst), int(length))
         for src, dst, length in blocks
-        if any(start <= int(src) < end for start, end in spans)
+        if any(start <= int(src) < end for start, end in spans_of_storages)
     ]
     if not kv_rows:
         return True
+    # the D buffer each row is meant for: the one named as the P buffer its source lies in
+    # (a row of K's page past D's K buffer must not land in D's V buffer behind it)
+    meant: list[str | None] = []
+    for src, _, _ in kv_rows:
+        at = bisect.bisect_right(starts, src) - 1
+        meant.append(spans[at][2] if at >= 0 and src < spans[at][1] else None)
     try:  # under strict, the first finding is logged and raised: the batch does not go
-        check_descriptors([(src, n) for src, _, n in kv_rows], local, policy=side.policy)
-        check_descriptors([(dst, n) for _, dst, n in kv_rows], peer, policy=side.policy)
+        check_descriptors([(src, n) for src, _, n in kv_rows], local,
+                          whole_pages=whole_pages, policy=side.policy)  # fmt: skip
+        check_descriptors([(dst, n) for _, dst, n in kv_rows], peer, layers=meant,
+                          whole_pages=whole_pages, policy=side.policy)  # fmt: skip
     except AddressError:
         return False
     return True
 
 
-def _transfer_data(original: Any) -> Any:
-    @functools.wraps(original)
-    def transfer_data(self: Any, mooncake_session_id: str, transfer_blocks: Any) -> Any:
+def _buffer_spans(memory: MemoryMap) -> tuple[list[int], list[tuple[int, int, str | None]]]:
+    """Each view's bytes ``(start, end, layer)``, by start, and the starts alone (bisect)."""
+    address = {storage.name: storage.address for storage in memory.storages}
+    spans = sorted(
+        (
+            address[view.storage] + view.byte_offset,
+            address[view.storage] + view.byte_offset
+            + max(0, view.num_blocks - 1) * view.block_stride_bytes + view.page_bytes,
+            view.layer,
+        )
+        for view in memory.views
+    )  # fmt: skip
+    return [span[0] for span in spans], spans
+
+
+class JudgedEngine:
+    """P's Mooncake transfer engine (SGLang's ``MooncakeTransferEngine``) with every
+    ``batch_transfer_sync`` judged first (``check_transfer``); everything else is the engine's."""
+
+    def __init__(self, engine: Any, manager: Any) -> None:
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_manager", manager)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_engine"), name)
+
+    def batch_transfer_sync(
+        self, session_id: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any
+    ) -> Any:
+        engine = object.__getattribute__(self, "_engine")
+        manager = object.__getattribute__(self, "_manager")
         try:
-            side = getattr(self, _STATE, None)
+            side = getattr(manager, _STATE, None)
             allowed = (
                 side is None
                 or side.policy is Policy.OFF
-                or not transfer_blocks
-                or check_transfer(self, side, mooncake_session_id, transfer_blocks)
+                or not buffers
+                or check_transfer(
+                    manager, side, session_id, zip(buffers, peer_buffer_addresses, lengths)
+                )
             )
         except Exception as error:  # safeview's own failure: the batch goes as SGLang sends it
             step_aside("transfers left unjudged", f"{type(error).__name__}: {error}")
             allowed = True
         if not allowed:
-            return -1  # SGLang's failed batch: it fails the request, before a byte moved
-        return original(self, mooncake_session_id, transfer_blocks)
-
-    return transfer_data
+            return -1  # Mooncake's failed batch: SGLang fails the request, before a byte moved
+        return engine.batch_transfer_sync(session_id, buffers, peer_buffer_addresses, lengths)
 
 
 def _publish_peer_registration(original: Any) -> Any:
     @functools.wraps(original)
     def _publish(self: Any, mooncake_session_id: str, decode_kv_args: Any) -> Any:
         reason = original(self, mooncake_session_id, decode_kv_args)
+        try:  # a D that sent its manifest runs safeview: it gets P's, before any request
+            side = _side(self)
+            if side.policy is not Policy.OFF and (
+                getattr(decode_kv_args, "_safeview_manifest", None) is not None
+            ):
+                send_manifest_to_decode(self, decode_kv_args)
+        except Exception as failure:
+            step_aside("manifest not sent", f"{type(failure).__name__}: {failure}")
         if reason is not None:
             return reason  # SGLang refused it already
         try:
-            error = judge_decode_peer(self, mooncake_session_id, decode_kv_args)
+            error, copy = judge_decode_peer(self, mooncake_session_id, decode_kv_args)
         except Exception as failure:  # safeview's own failure: the pair goes on unjudged
             step_aside("peer left unjudged", f"{type(failure).__name__}: {failure}")
             return None
         if error is None:
             return None
-        text = f"safeview: {error}"
+        text = refusal_text(
+            error,
+            prefill_item_bytes=int(self.kv_args.kv_item_lens[0]),
+            decode_item_bytes=int(decode_kv_args.dst_kv_item_len),
+            copy=copy,
+        )
         # SGLang's own rejection, as it records one: every transfer to the session fails
         with self.session_lock:
             self.state_layout_rejections[mooncake_session_id] = text
@@ -341,11 +581,50 @@ def _publish_peer_registration(original: Any) -> Any:
     return _publish
 
 
+def _handle_chunk_ready(original: Any) -> Any:
+    @functools.wraps(original)
+    def handle_chunk_ready(self: Any, msg: Any) -> Any:
+        if msg and isinstance(msg[0], bytes) and msg[0].startswith(MANIFEST_FRAME):
+            try:
+                judge_prefill_peer(self, list(msg))
+            except Exception as failure:  # safeview's own failure: the pair goes on unjudged
+                step_aside("prefill peer left unjudged", f"{type(failure).__name__}: {failure}")
+            return True  # consumed: not one of SGLang's messages
+        return original(self, msg)
+
+    return handle_chunk_ready
+
+
+def _receiver_poll(original: Any) -> Any:
+    @functools.wraps(original)
+    def poll(self: Any) -> Any:
+        try:
+            side = getattr(self.kv_mgr, _STATE, None)
+            if side is not None and side.refusals and self.conclude_state is None:
+                for info in self.bootstrap_infos or ():
+                    text = side.refusals.get(f"{info.get('rank_ip')}:{info.get('rank_port')}")
+                    if text is not None:
+                        from sglang.srt.disaggregation.base.conn import (  # type: ignore[import-not-found,unused-ignore]
+                            KVPoll,
+                        )
+
+                        self.kv_mgr.record_failure(self.bootstrap_room, text)
+                        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                        break
+        except Exception as failure:
+            step_aside("prefill refusal not applied", f"{type(failure).__name__}: {failure}")
+        return original(self)
+
+    return poll
+
+
 def install_manager() -> None:
-    """Patch SGLang 0.5.23's ``MooncakeKVManager`` and ``KVArgsRegisterInfo`` (once)."""
+    """Patch SGLang 0.5.23's ``MooncakeKVManager``, ``MooncakeKVReceiver`` and
+    ``KVArgsRegisterInfo`` (once)."""
     from sglang.srt.disaggregation.mooncake.conn import (  # type: ignore[import-not-found,unused-ignore]
         KVArgsRegisterInfo,
         MooncakeKVManager,
+        MooncakeKVReceiver,
     )
 
     for name in (
@@ -353,9 +632,15 @@ def install_manager() -> None:
         "build_receiver_registration_message",
         "_publish_peer_registration",
         "_transfer_data",
+        "send_kvcache_slice",
     ):
         if name not in MooncakeKVManager.__dict__:
             raise AttributeError(f"MooncakeKVManager.{name} is not SGLang 0.5.23's")
+    for name in ("handle_chunk_ready", "_send_multipart_locked"):
+        if not callable(getattr(MooncakeKVManager, name, None)):
+            raise AttributeError(f"MooncakeKVManager.{name} is not SGLang 0.5.23's")
+    if not callable(getattr(MooncakeKVReceiver, "poll", None)):
+        raise AttributeError("MooncakeKVReceiver.poll is not SGLang 0.5.23's")
     if not isinstance(KVArgsRegisterInfo.__dict__.get("from_zmq"), classmethod):
         raise AttributeError("KVArgsRegisterInfo.from_zmq is not a classmethod")
     _wrap(MooncakeKVManager, "register_buffer_to_engine", _register_buffer_to_engine)
@@ -365,5 +650,6 @@ def install_manager() -> None:
         _build_receiver_registration_message,
     )
     _wrap(MooncakeKVManager, "_publish_peer_registration", _publish_peer_registration)
-    _wrap(MooncakeKVManager, "_transfer_data", _transfer_data)
+    _wrap(MooncakeKVManager, "handle_chunk_ready", _handle_chunk_ready, inherited=True)
+    _wrap(MooncakeKVReceiver, "poll", _receiver_poll, inherited=True)
     _wrap(KVArgsRegisterInfo, "from_zmq", _from_zmq)

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
+    from safeview.manifest import Manifest
+
 __all__ = ["check_coverage"]
 
 
@@ -41,6 +43,7 @@ def check_coverage(
     touched: Iterable[str] = (),
     policy: PolicyArg | None = None,
     source: str = "check_coverage",
+    manifest: Manifest | None = None,
 ) -> list[Finding]:
     """Check that every layer of ``layers`` (every layer of ``registration`` when ``None``) lies
     whole in the descriptor lists ``prepared`` (each a list of rows ``(address, length[, device[,
@@ -49,12 +52,16 @@ def check_coverage(
     Returns one ``unregistered`` finding per layer with bytes in no row. Under strict raises
     ``safeview.CoverageError`` for them (all layers named); under warn emits one
     ``coverage_violation`` event per layer and returns them; ``off`` checks nothing.
-    ``layers`` naming no layer of the registration is an ``ArgumentError``.
+    ``layers`` naming no layer of the registration is an ``ArgumentError``. With the
+    ``manifest`` of the layers (``safeview.describe``), a finding also names the part of a row
+    its first byte left out lies in (a scale beside the data, a state's segment).
     """
     active = current_policy(policy)
     if active is Policy.OFF:
         return []
-    found = uncovered(_lists(prepared), memory_map(registration), layers, set(touched))
+    found = uncovered(
+        _lists(prepared), memory_map(registration), layers, set(touched), manifest=manifest
+    )
     enforce(found, active, source)
     return found
 
@@ -104,8 +111,10 @@ def uncovered(
     memory: MemoryMap,
     layers: Iterable[str] | None,
     touched: set[str],
+    manifest: Manifest | None = None,
 ) -> list[Finding]:
-    """The ``unregistered`` findings of ``layers`` against the rows of ``prepared``."""
+    """The ``unregistered`` findings of ``layers`` against the rows of ``prepared``; with the
+    layers' ``manifest``, each names the part its first byte left out lies in."""
     _numpy()
     import numpy as np
 
@@ -176,6 +185,7 @@ def uncovered(
     words = _prepared_words(whole_rows, layers_reached, wanted)
     for name, (view, block, low, high), missing_pages, pages_total, bytes_missing in pending:
         storage = storages[view.storage]
+        said = words + _part_words(manifest, name, view, block, low - storage.address)
         found.append(
             Finding.unregistered(
                 layer=name,
@@ -187,10 +197,32 @@ def uncovered(
                 pages=pages_total,
                 page_bytes=view.page_bytes,
                 bytes_missing=bytes_missing,
-                prepared=words,
+                prepared=said,
             )
         )
     return found
+
+
+def _part_words(
+    manifest: Manifest | None, name: str, view: Any, block: int, byte_offset: int
+) -> str:
+    """Words for the part of a row that a layer's first byte left out lies in, where the
+    manifest gives the layer parts: ``; the first byte left out is in part 'scale' ...``."""
+    layer = None if manifest is None else manifest.layers.get(name)
+    if layer is None or not layer.parts:
+        return ""
+    page_byte = byte_offset - view.byte_offset - block * view.block_stride_bytes
+    if view.name != name:  # one chunk of a page whose K and V lie apart: name[i]
+        chunk = int(view.name.rsplit("[", 1)[-1].rstrip("]"))
+        page_byte += chunk * layer.chunk_bytes
+    found = layer.part_at(page_byte)
+    if found is None:
+        return "; the first byte left out is in no part of its row (padding)"
+    part, row = found
+    return (
+        f"; the first byte left out is in part {part.name!r} ({part.role}, {part.dtype}), "
+        f"byte {row} of its {layer.row_bytes}-byte row"
+    )
 
 
 def _merged(prepared: Sequence[object]) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:

@@ -304,6 +304,7 @@ def _guarded(connector: Any, kv_cache_config: Any) -> None:
             registered = original(kv_caches, *args, **kwargs)
         layout.registered()  # judge each P/D pair when D meets P (never raises)
         _digests_on_workers(connector, layout.layouts)
+        _kv_accounted(layout.layouts)
         return registered
 
     setattr(register_kv_caches, _PATCHED, True)
@@ -327,6 +328,18 @@ def _digests_on_workers(connector: Any, layouts: list[Any]) -> None:
         _step_aside("request digests left off", f"{type(error).__name__}: {error}")
 
 
+def _kv_accounted(layouts: list[Any]) -> None:
+    """Each NIXL worker counts its requests' KV (``safeview.vllm._metrics``), outermost of the
+    plugin's wrappers, so that it sees what vLLM's scheduler will. Never raises."""
+    try:
+        from safeview.vllm import _metrics
+
+        for layout in layouts:
+            _metrics.guard_worker(layout.worker, _manifest_of(layout))
+    except Exception as error:  # safeview's own failure, or a vLLM it does not know
+        _step_aside("requests' KV left uncounted", f"{type(error).__name__}: {error}")
+
+
 def _manifest_of(layout: Any) -> Any:
     """A worker's manifest, built from what its registration derived when first asked."""
     return lambda: layout.manifest
@@ -342,6 +355,34 @@ def _digest_sampling() -> Any:
 
         _SAMPLING.append(digest_sampling())
     return _SAMPLING[0]
+
+
+def _metrics_on_connector_classes(factory: Any) -> None:
+    """Count safeview's verdicts in this process, and wrap
+    ``KVConnectorFactory.get_connector_class`` so that the class it gives (to vLLM's stat
+    loggers in the front end, to the engine core) builds safeview's stats and Prometheus
+    metrics beside its own (``safeview.vllm._metrics``). Never raises."""
+    try:
+        from safeview.vllm import _metrics
+
+        sampling = _digest_sampling()
+        fraction = {"off": 0.0, "all": 1.0}.get(sampling.mode, 1.0 / max(1, sampling.every))
+        _metrics.install_counting(fraction)
+        current = factory.__dict__.get("get_connector_class")
+        if not isinstance(current, classmethod) or getattr(current.__func__, _PATCHED, False):
+            return
+        get_class = current.__func__
+
+        @functools.wraps(get_class)
+        def get_connector_class(cls: type, *args: Any, **kwargs: Any) -> Any:
+            found = get_class(cls, *args, **kwargs)
+            _metrics.patch_class(found)
+            return found
+
+        setattr(get_connector_class, _PATCHED, True)
+        setattr(factory, "get_connector_class", classmethod(get_connector_class))  # noqa: B010
+    except Exception as error:  # vLLM's metrics as they are, without safeview's
+        _step_aside("metrics left out of vLLM's", f"{type(error).__name__}: {error}")
 
 
 _stepped_aside: set[str] = set()
@@ -392,6 +433,13 @@ def register_plugin() -> None:
         def create_connector(cls: type, *args: Any, **kwargs: Any) -> Any:
             connector = create(cls, *args, **kwargs)
             try:
+                from safeview.vllm._metrics import guard_connector
+
+                # safeview's counts ride the connector's own stats to vLLM's metrics
+                guard_connector(connector)
+            except Exception as error:  # the connector's own stats, and the checks, as before
+                log.internal_error(where="vllm create_connector (metrics)", error=error)
+            try:
                 config = kwargs.get("kv_cache_config", args[2] if len(args) > 2 else None)
                 _guarded(connector, config)
                 if current_policy() is not Policy.OFF:
@@ -411,6 +459,7 @@ def register_plugin() -> None:
         setattr(create_connector, _PATCHED, True)
         # a classmethod looked up at call time: every connector vLLM creates passes through it
         setattr(KVConnectorFactory, "create_connector", classmethod(create_connector))  # noqa: B010
+        _metrics_on_connector_classes(KVConnectorFactory)
         try:
             from safeview.vllm._nixl import install_channels
 

@@ -153,8 +153,10 @@ def _guard_one_scheduler(scheduler: Any, sampling: DigestSampling) -> None:
     kept = _Kept()
     # an attribute of the instance is looked up before the class's static method, when
     # set_xfer_handshake_metadata starts the listener's thread
-    scheduler._nixl_handshake_listener = _listener(kept)
+    engine = getattr(scheduler, "engine_id", None)
+    scheduler._nixl_handshake_listener = _listener(kept, None if engine is None else str(engine))
     scheduler._safeview_digests = kept  # for a look from outside
+    _say_listening(scheduler)
     if sampling.mode == "off":
         return
     finished = scheduler.request_finished
@@ -202,11 +204,50 @@ def _guard_one_scheduler(scheduler: Any, sampling: DigestSampling) -> None:
     scheduler.update_connector_output = update_connector_output
 
 
-def _listener(kept: _Kept) -> Callable[..., None]:
+def _say_listening(scheduler: Any) -> None:
+    """The payloads this scheduler serves say that its side channel answers D's verdicts
+    (``safeview.vllm._nixl.mark_listening``), before vLLM encodes them."""
+    from safeview.vllm._nixl import mark_listening
+
+    original = getattr(scheduler, "set_xfer_handshake_metadata", None)
+    if original is None:  # a scheduler of another shape: D just does not tell P
+        return
+
+    @functools.wraps(original)
+    def set_xfer_handshake_metadata(metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):  # never in vLLM's way: D just does not tell P
+            mark_listening(metadata)
+        return original(metadata, *args, **kwargs)
+
+    scheduler.set_xfer_handshake_metadata = set_xfer_handshake_metadata
+
+
+def _heard(engine: str | None, said: Any) -> None:
+    """P: what a D found of their pair at its handshake (``VERDICT_MSG``), in P's log."""
+    from safeview import log
+
+    if not isinstance(said, dict):
+        return
+    fingerprints = said.get("remote_fingerprints")
+    log.layout_judged(
+        engine=engine,
+        remote_engine=str(said.get("engine")),
+        remote_tp_rank=said.get("tp_rank"),
+        remote_tp_size=said.get("tp_size"),
+        verdict=str(said.get("verdict")),
+        fingerprints=[str(f) for f in fingerprints] if isinstance(fingerprints, list) else [],
+        remote_fingerprint=str(said.get("fingerprint")),
+        policy=str(said.get("policy")),
+    )
+
+
+def _listener(kept: _Kept, engine: str | None = None) -> Callable[..., None]:
     """vLLM 0.33's side-channel listener (``NixlConnectorScheduler._nixl_handshake_listener``:
     a ZMQ ROUTER that answers ``(GET_META_MSG, pp_rank, tp_rank)`` with that rank's encoded
     payload and the scheduler's clock), answering as it does, plus ``(DIGEST_MSG, request,
-    0)`` with the msgpack map of P's digests of ``request`` by rank.
+    0)`` with the msgpack map of P's digests of ``request`` by rank, and ``(VERDICT_MSG, what
+    D found, 0)`` (D's verdict on the pair at its handshake, logged as ``layout_judged``) with
+    ``ok``.
 
     Unlike vLLM's own, it outlives what it cannot serve: a rank P does not hold (vLLM's raises
     ``KeyError`` and its thread ends, and every later handshake to P times out) or a message it
@@ -220,6 +261,8 @@ def _listener(kept: _Kept) -> Callable[..., None]:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
     from vllm.utils.network_utils import make_zmq_path
+
+    from safeview.vllm._nixl import VERDICT_MSG
 
     logger = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler")
 
@@ -241,6 +284,9 @@ def _listener(kept: _Kept) -> Callable[..., None]:
             return [identity, b"", msgspec.msgpack.encode(said), clock]
         if kind == DIGEST_MSG:
             return [identity, b"", msgspec.msgpack.encode(kept.get(str(first)))]
+        if kind == VERDICT_MSG:
+            _heard(engine, first)
+            return [identity, b"", msgspec.msgpack.encode("ok")]
         if kind != GET_META_MSG:
             logger.warning("Connection listener got unexpected message %s", kind)
         try:

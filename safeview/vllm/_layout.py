@@ -84,6 +84,7 @@ from safeview.manifest.wire import (
 )
 from safeview.policy import Policy
 from safeview.vllm._background import Background
+from safeview.vllm._parts import parts_of as vllm_parts_of
 
 __all__ = ["ENV_MANIFEST_DIR", "Registered", "at_registration", "manifest_dir"]
 
@@ -148,12 +149,16 @@ def describe_caches(
 ) -> Derived:
     """The manifest of the layers of ``kv_caches`` that ``kv_cache_config`` gives a spec with
     per-layer views (attention, MLA, Mamba state) and a 4-d cache, read off their strides (its
-    fingerprint and text at once, the ``Manifest`` when a peer is judged)."""
+    fingerprint and text at once, the ``Manifest`` when a peer is judged); the parts of each
+    row (inline scales, MLA rope, a Mamba state's segments and padding) from the layer's spec
+    (``safeview.vllm._parts``)."""
     of_layer = _specs_and_groups(kv_cache_config)
     caches: dict[str, Any] = {}
     axes: dict[str, tuple[str, ...]] = {}
     kinds: dict[str, Any] = {}
     groups: dict[str, int] = {}
+    parts: dict[str, Any] = {}
+    parts_of_spec: dict[tuple[int, int, int], Any] = {}  # one list per spec and row
     kind_of: dict[type, str | None] = {}  # a model has a few spec types and many layers
     axes_of: dict[str, tuple[str, ...]] = {}
     for name, cache in kv_caches.items():
@@ -170,13 +175,23 @@ def describe_caches(
         axes[name] = axes_of[kind]
         if kind == "mamba":
             kinds[name] = "state"
+        # the row: one K or V half of the last axis for attention, the whole of it otherwise
+        row = int(cache.shape[-1]) // (2 if kind == "attention" else 1) * cache.element_size()
+        key = (id(spec), row, cache.element_size())
+        if key not in parts_of_spec:
+            parts_of_spec[key] = vllm_parts_of(spec, row)
+        if parts_of_spec[key] is not None:
+            parts[name] = parts_of_spec[key]
     if not caches:
         raise ManifestError("kv_caches", len(kv_caches), "hold no attention, MLA or Mamba layer")
     if topology.pp_size > 1 and topology.stage_layers is None:
         topology = topology.model_copy(update={"stage_layers": _stage_layers(caches)})
     # one tuple for every layer when they share it: describe reads it once
     shared = next(iter(axes_of.values())) if len(axes_of) == 1 else None
-    return derive(caches, axes=shared or axes, topology=topology, groups=groups, kinds=kinds)
+    return derive(
+        caches, axes=shared or axes, topology=topology, groups=groups, kinds=kinds,
+        parts=parts or None,
+    )  # fmt: skip
 
 
 def _stage_layers(caches: Mapping[str, Any]) -> tuple[int, ...]:
@@ -375,8 +390,9 @@ def _rebuilt_layer(
     name: str, mine: Layer, page: int, stride: int, blocks: int, tokens: int, layout: str,
     rank: tuple[int, int, int | None],
 ) -> Layer:  # fmt: skip
-    """P's layer ``name`` as its metadata reports it, with D's dtype and head size; ``rank``:
-    P's rank, TP size and the model's total KV heads (the layer's own, where its page says
+    """P's layer ``name`` as its metadata reports it, with D's dtype, head size and row parts
+    (vLLM's compatibility hash, checked first, makes them P's); ``rank``: P's rank, TP size
+    and the model's total KV heads (the layer's own, where its page says
     another number of heads: ``layer_heads``)."""
     itemsize = mine.itemsize
     element = mine.size_of("element")
@@ -398,6 +414,7 @@ def _rebuilt_layer(
             byte_offset=0,
             dtype=mine.dtype,
             group=mine.group,
+            parts=mine.parts,  # D's rows, as its dtype: vLLM's compatibility hash holds both
         )
     row = 2 * element  # K|V side by side, in elements
     if page % (tokens * row * itemsize):
@@ -419,6 +436,7 @@ def _rebuilt_layer(
         dtype=mine.dtype,
         heads=layer_heads(rank[0], rank[1], rank[2], count),
         group=mine.group,
+        parts=mine.parts,
     )
 
 
@@ -504,6 +522,8 @@ class WorkerLayout:
         # P engines whose pair with this worker is left to vLLM (a layout vLLM converts on
         # receipt, push mode, ...): their requests' tokens are not judged either
         self.left_to_vllm: set[str] = set()
+        # P engines whose side channel answers D's verdicts (their payload says so)
+        self.listening: set[str] = set()
 
     @property
     def manifest(self) -> Manifest:
@@ -602,9 +622,10 @@ class WorkerLayout:
         senders, against, paths, note = self._senders(
             metadata, remote, remote_tp_size, self._context_parallel(remote_dcp_size)
         )
-        return judge_peer(self.manifest, senders, against=against,  # type: ignore[arg-type]
-                          fields={**fields, "manifests": paths}, rule="vllm_nixl",
-                          policy=self.policy, reason=note)  # fmt: skip
+        verdict = judge_peer(self.manifest, senders, against=against,  # type: ignore[arg-type]
+                             fields={**fields, "manifests": paths}, rule="vllm_nixl",
+                             policy=self.policy, reason=note)  # fmt: skip
+        return _mended_by(verdict, self.manifest, senders or [])
 
     def _reason_not_judged(self, metadata: Any, remote_dcp_size: int) -> str | None:
         """Why the pair with the P of ``metadata`` is left to vLLM, or ``None``."""
@@ -733,10 +754,31 @@ class WorkerLayout:
                 return known[1]
             verdict = judge_peer(self.manifest, senders, against="handshake", fields=fields,
                                  rule="vllm_nixl", policy=self.policy)  # fmt: skip
+            verdict = _mended_by(verdict, self.manifest, senders)
             self.verdicts[remote] = (key, verdict)
             self.peers[remote] = _Peer(dict(have), judged, verdict)
             self.left_to_vllm.discard(remote)
+        if remote in self.listening and context is not None:
+            self._tell(context, remote, senders)
         return verdict
+
+    def _tell(self, context: dict[str, Any], remote: str, senders: list[Manifest]) -> None:
+        """Tell P's side channel the pair's verdict, with both sides' fingerprints, for P to
+        log it (``layout_judged``), in a thread of its own: the handshake does not wait."""
+        from safeview.vllm._metrics import pair_verdict
+        from safeview.vllm._nixl import tell_verdict
+
+        topology = self.derived.topology
+        said = {
+            "engine": topology.engine,
+            "tp_rank": topology.tp_rank,
+            "tp_size": topology.tp_size,
+            "fingerprint": self.derived.fingerprint,
+            "remote_fingerprints": [m.fingerprint for m in senders],
+            "verdict": pair_verdict(topology.engine, remote),
+            "policy": self.policy.value,
+        }
+        _TELL.submit(tell_verdict, str(context["host"]), int(context["port"]), said)
 
     def judge_handshake_wire_in(
         self, context: dict[str, Any] | None, metadata: Any, wire: Any, remote_tp_rank: int,
@@ -800,7 +842,9 @@ class WorkerLayout:
             fields = self._fields(remote, parsed.tp_size, "request")
             why = ManifestError(
                 f"P {remote}: request {request} kv_transfer_params['tp_size']", claimed,
-                f"is not P's TP size {parsed.tp_size} (its layout token {token}): {reason}",
+                f"is not P's TP size {parsed.tp_size} (its layout token {token}): {reason}; "
+                "what mends it: the P/D proxy must relay P's kv_transfer_params verbatim "
+                "(tp_size is P's --tensor-parallel-size)",
             )  # fmt: skip
             judge_peer(self.manifest, None, against="request", fields=fields,
                        reason=f"the request's TP size cannot place its pages: {why}",
@@ -874,6 +918,7 @@ class WorkerLayout:
         )
         verdict = judge_peer(self.manifest, senders, against="request", fields=fields,
                              rule="vllm_nixl", policy=self.policy, reason=reason)  # fmt: skip
+        verdict = _mended_by(verdict, self.manifest, senders)
         if verdict is not None:  # the error says it too, where it is shown (Python 3.11+)
             getattr(verdict, "add_note", lambda _: None)(reason)
         self.peers[remote] = _Peer(current, judged, verdict)
@@ -920,9 +965,35 @@ class WorkerLayout:
                        fields={**fields, "manifests": paths}, policy=self.policy)  # fmt: skip
 
 
+def _mended_by(
+    error: LayoutMismatchError | None, receiver: Manifest, senders: list[Manifest]
+) -> LayoutMismatchError | None:
+    """A refusal's message ends with the vLLM setting that mends it and the engine to set it
+    on (``safeview.vllm._settings``), or says that none does: vLLM logs the message of the
+    error that fails a handshake or a request."""
+    if error is None or not error.findings:
+        return error
+    try:
+        from safeview.vllm._settings import setting_for
+
+        hint = setting_for(error.findings[0], receiver, senders)
+        said = (
+            f"what mends it: {hint}"
+            if hint
+            else "no vLLM setting mends it: the two engines lay these pages out otherwise "
+            "behind the same dtype, layout name, block size and TP size"
+        )
+        error.args = (f"{error.args[0] if error.args else ''}; {said}", *error.args[1:])
+    except Exception as failure:  # the refusal stands as it was
+        _step_aside("refusals left without their setting", failure)
+    return error
+
+
 # One thread per process judges P's handshake manifests while NIXL loads P's agent; started
 # when a NIXL worker has registered (``Registered.registered``), not at its first handshake
 _JUDGE = Background("safeview-handshake")
+# and one tells each P what D found, so that neither the handshake nor a judgement waits on it
+_TELL = Background("safeview-verdict")
 
 
 class _Peer:
@@ -979,7 +1050,7 @@ def _guard_handshake(layout: WorkerLayout) -> None:
     loads it (the agent's ``add_remote_agent``, before vLLM prepares any descriptor of P's)
     returns only once the verdict is in, and under strict a refused P's agent is removed again
     and the refusal raised there. A P without one is judged before vLLM goes on at all."""
-    from safeview.vllm._nixl import take_decoded
+    from safeview.vllm._nixl import take_decoded, take_listens
 
     worker = layout.worker
     original = worker.add_remote_agent
@@ -1001,6 +1072,8 @@ def _guard_handshake(layout: WorkerLayout) -> None:
             wire = take_decoded()  # what P's payload carried, decoded by vLLM just now
             if wire is not None:  # P runs the plugin: its side channel answers safeview too
                 layout.carried.add(str(getattr(nixl_agent_meta, "engine_id", "")))
+            if take_listens() and wire is not None:  # and it is told D's verdict
+                layout.listening.add(str(getattr(nixl_agent_meta, "engine_id", "")))
             if wire is None:  # P without safeview: its folder, or its NIXL metadata
                 refusal = layout.judge_handshake(nixl_agent_meta, remote_tp_size, remote_dcp_size)
             elif layout._reason_not_judged(nixl_agent_meta, remote_dcp_size) is not None:
@@ -1148,6 +1221,9 @@ def _guard_reads(layout: WorkerLayout) -> None:
         with contextlib.suppress(Exception):
             worker._log_failure(failure_type="layout_refused", req_id=req_id, error=refusal,
                                 meta=meta)  # fmt: skip
+        from safeview.vllm._metrics import refused
+
+        refused(worker, req_id)  # counted as safeview's refusal, not a failed READ
         worker._handle_failed_transfer(
             req_id, None, worker._recv_failures, record_failed_transfer=False
         )

@@ -37,6 +37,8 @@ __all__ = [
     "region_intent",
     "serve_manifest",
     "take_decoded",
+    "take_listens",
+    "tell_verdict",
 ]
 
 
@@ -173,9 +175,12 @@ def _payload_class() -> type:
     @dataclasses.dataclass
     class SafeviewHandshakePayload(NixlHandshakePayload):  # type: ignore[misc]
         safeview_manifest: Any = msgspec.UNSET
+        # set by P's scheduler whose side channel answers VERDICT_MSG (safeview's listener)
+        safeview_listens: Any = msgspec.UNSET
 
         def __post_init__(self) -> None:
             _decoded.wire = self.safeview_manifest
+            _decoded.listens = self.safeview_listens
 
     SafeviewHandshakePayload.__module__ = __name__
     SafeviewHandshakePayload.__qualname__ = "SafeviewHandshakePayload"
@@ -209,6 +214,46 @@ def take_decoded() -> bytes | None:
 
     found: Any = wire
     return None if found is None or found is msgspec.UNSET else found
+
+
+def take_listens() -> bool:
+    """Whether the payload this thread decoded last says P's side channel answers
+    ``VERDICT_MSG`` (once). vLLM's own listener dies of a message it does not know: only a P
+    that says so is told."""
+    listens = getattr(_decoded, "listens", None)
+    _decoded.listens = None
+    return listens is True or (isinstance(listens, int) and listens == 1)
+
+
+VERDICT_MSG = "safeview_verdict"  # the side-channel message: (VERDICT_MSG, the verdict, 0)
+
+
+def tell_verdict(host: str, port: int, verdict: Mapping[str, Any], timeout_ms: int = 2000) -> None:
+    """Tell P's side channel what D found of their pair (``verdict``: a map of strings, numbers
+    and lists), for P to log it beside its own fingerprint; P answers ``ok``. Raises what the
+    socket raises (the caller lets it go)."""
+    import msgspec
+    import zmq  # type: ignore[import-not-found,unused-ignore]  # vLLM's dependency
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
+    from vllm.utils.network_utils import make_zmq_path
+
+    with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.send(msgspec.msgpack.encode((VERDICT_MSG, dict(verdict), 0)))
+        sock.recv_multipart()
+
+
+def mark_listening(metadata: Any) -> None:
+    """P's scheduler, whose side channel is safeview's listener: each payload it serves says
+    so (``safeview_listens``), before vLLM encodes it."""
+    if not isinstance(metadata, dict):
+        return
+    cls = payload_class()
+    for payload in metadata.values():
+        if isinstance(payload, cls):
+            found: Any = payload
+            found.safeview_listens = 1
 
 
 def install_channels() -> None:
