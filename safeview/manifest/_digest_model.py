@@ -11,6 +11,7 @@ all before a value is built; anything else is one ``ManifestError`` naming the f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -134,15 +135,27 @@ def layer_meaning(layer: Any) -> str:
     scalars = getattr(layer, "scalars", {})
     if not parts and not companions and not scalars:
         return str(layer.dtype)
+    found = (str(layer.dtype), tuple(parts), tuple(companions), tuple(scalars.items()))
+    try:
+        return _meaning(*found)
+    except TypeError:  # a field that cannot be hashed: made without the cache
+        return _meaning.__wrapped__(*found)
+
+
+@functools.lru_cache(maxsize=256)
+def _meaning(dtype: str, parts: tuple[Any, ...], companions: tuple[Any, ...],
+             scalars: tuple[tuple[str, float], ...]) -> str:  # fmt: skip
+    """``layer_meaning`` of a layer with parts, made once per distinct layer (a model's layers
+    share a few)."""
     described = {
-        "dtype": layer.dtype,
+        "dtype": dtype,
         "parts": sorted(  # by name (unique in a layer): the parts, not the order listed
             ([getattr(part, f) for f in _MEANING_FIELDS] for part in parts), key=lambda p: p[0]
         ),
         "companions": [
             [c.name, c.role, c.dtype, c.granularity, c.group_elements] for c in companions
         ],
-        "scalars": sorted((name, float(value).hex()) for name, value in scalars.items()),
+        "scalars": sorted((name, float(value).hex()) for name, value in scalars),
     }
     return json.dumps(described, sort_keys=True, separators=(",", ":"))
 
