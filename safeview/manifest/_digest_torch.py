@@ -163,9 +163,9 @@ def _int_mm_exact() -> bool:
 def _cpu_kernel() -> str:
     """The kernel of the rows' products on this CPU, chosen once per process (and per
     ``torch.backends.mkldnn.enabled``): ``"int_mm"`` (``torch._int_mm``, int8 x int8 -> int32)
-    where its probe is exact (``_int_mm_exact``) and not twice as slow here as ``"widen"`` (the
+    where its probe is exact (``_int_mm_exact``) and not 3x as slow here as ``"widen"`` (the
     bytes turned into int32 a few pages at a time and multiplied by ``R`` with torch's int32
-    product; exact, a row's sum is below ``2**27``), timed on 1 MiB of rows, best of three.
+    product; exact, a row's sum is below ``2**27``), timed on 1 MiB of rows, best of five.
     What ``torch._int_mm`` runs depends on the CPU and on torch: oneDNN's VNNI or AMX kernels
     (faster than ``"widen"``), its AVX2 or AVX-512 kernels without VNNI (exact for ``R``'s
     weights, about as fast as ``"widen"`` on one thread, and shared out over torch's threads,
@@ -176,25 +176,30 @@ def _cpu_kernel() -> str:
     if found is None:
         found = "widen"
         if _int_mm_exact():
-            int_mm, widen = _kernel_seconds("int_mm"), _kernel_seconds("widen")
-            found = "int_mm" if int_mm < 2 * widen else "widen"  # a margin for noise
+            int_mm, widen = _kernel_seconds()
+            # oneDNN's kernels take 0.5x to 1x "widen"'s time, ATen's plain loop 9x to 11x
+            # (an EPYC, quiet): the cut between them, with both timed in turn, so that a noisy
+            # moment at the first digest does not settle the process on the slower kernel
+            found = "int_mm" if int_mm < 3 * widen else "widen"
         _KERNELS[enabled] = found
     return found
 
 
-def _kernel_seconds(kernel: str) -> float:
-    """The best of three times ``kernel`` takes for 1 MiB of rows of 256 bytes, a batch of
-    pages (after a first call, which may build the kernel)."""
+def _kernel_seconds() -> tuple[float, float]:
+    """The best of five times ``"int_mm"`` and ``"widen"`` take for 1 MiB of rows of 256
+    bytes, a batch of pages, timed in turn (after a first call each, which may build the
+    kernel), so that a noisy moment weighs on both."""
     generator = torch.Generator().manual_seed(35)
     rows = torch.randint(-128, 128, (16, 256, 256), dtype=torch.int8, generator=generator)
     out = torch.empty(4096, LANES, dtype=torch.int32)
-    wide = torch.empty(rows.shape, dtype=torch.int32) if kernel == "widen" else None
-    best = math.inf
-    for _ in range(4):
-        start = time.perf_counter()
-        _blocks_times_r(rows, 256, kernel, out, wide)
-        best = min(best, time.perf_counter() - start)
-    return best
+    wide = torch.empty(rows.shape, dtype=torch.int32)
+    best = {"int_mm": math.inf, "widen": math.inf}
+    for _ in range(6):
+        for kernel in best:
+            start = time.perf_counter()
+            _blocks_times_r(rows, 256, kernel, out, wide if kernel == "widen" else None)
+            best[kernel] = min(best[kernel], time.perf_counter() - start)
+    return best["int_mm"], best["widen"]
 
 
 def _r_wide(length: int) -> torch.Tensor:
