@@ -135,11 +135,8 @@ def layer_meaning(layer: Any) -> str:
     scalars = getattr(layer, "scalars", {})
     if not parts and not companions and not scalars:
         return str(layer.dtype)
-    found = (str(layer.dtype), tuple(parts), tuple(companions), tuple(scalars.items()))
-    try:
-        return _meaning(*found)
-    except TypeError:  # a field that cannot be hashed: made without the cache
-        return _meaning.__wrapped__(*found)
+    # parts and companions are frozen models of hashable fields: the cache's key
+    return _meaning(str(layer.dtype), tuple(parts), tuple(companions), tuple(scalars.items()))
 
 
 @functools.lru_cache(maxsize=256)
