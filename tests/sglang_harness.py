@@ -417,6 +417,10 @@ def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
             result["wrong_bytes"] = _meaning_mismatches(pool, pages, heads)
         result["events"] = _new_events()
         print(json.dumps(result), flush=True)
+    # P may still be moving the last case's pages when D has failed it (a refusal at D under
+    # strict fails D's request, not P's transfer): D stays until P is through, or P's transfer
+    # would fail on a D that is gone
+    _wait_prefill(len(cases), _tp(cases[0]["prefill"]))
     sys.stdout.flush()
     os._exit(0)
 
