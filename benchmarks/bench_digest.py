@@ -42,7 +42,7 @@ and ``ATEN_CPU_CAPABILITY=avx2`` (with MKL's ``MKL_ENABLE_INSTRUCTIONS=AVX2``) g
 AVX2-only CPU's path on a CPU with more; the first line shows whether they took effect.
 
 Run: python benchmarks/bench_digest.py [--rounds 9] [--blocks 2048] [--device cpu]
-     [--threads N] [--cpu-time] [--layouts LBHNC LBNHC] [--kernel auto|int_mm|widen]
+     [--threads N] [--cpu-time] [--layouts LBHNC LBNHC] [--kernel auto|int_mm|int_mm_t|widen]
      [--no-onednn]
 """
 
@@ -64,6 +64,7 @@ LAYERS, HEADS, TOKENS, HEAD_SIZE = 32, 8, 16, 128
 REQUEST_BLOCKS = 128  # 2,048 tokens
 TARGET = 1.5
 PAGE_BYTES = 2 * HEADS * TOKENS * HEAD_SIZE * 2  # K and V, bf16
+PIECE_BYTES = HEAD_SIZE * 2  # a row: one (K/V, token, head) vector of bf16
 
 
 def _caches(
@@ -192,7 +193,9 @@ def cpu_line() -> str:
         f"CPU: {name}; ATen capability {torch.backends.cpu.get_cpu_capability()}, "
         f"VNNI {flags['vnni']}, AMX {flags['amx_tile']}, oneDNN "
         f"{'on' if torch._C._get_mkldnn_enabled() else 'off'}, torch._int_mm exact "
-        f"{_digest_torch._int_mm_exact()}; digest kernel {_digest_torch._cpu_kernel()}"
+        f"{_digest_torch._int_mm_exact()}; digest kernel {_digest_torch._cpu_kernel()}, "
+        f"rows of {PIECE_BYTES} bytes by "
+        f"{_digest_torch._row_kernel(_digest_torch._cpu_kernel(), PIECE_BYTES)}"
     )
 
 
@@ -208,7 +211,7 @@ def main() -> int:
     parser.add_argument("--layouts", nargs="+", default=["LBHNC", "LBNHC"])
     parser.add_argument(
         "--kernel",
-        choices=["auto", "int_mm", "widen"],
+        choices=["auto", "int_mm", "int_mm_t", "widen"],
         default="auto",
         help="the digest's CPU kernel (default: what it picks on this CPU)",
     )
@@ -224,7 +227,10 @@ def main() -> int:
     if args.no_onednn:
         torch._C._set_mkldnn_enabled(False)  # torch.backends.mkldnn.enabled = False
     if args.kernel != "auto":
-        _digest_torch._KERNELS.update({True: args.kernel, False: args.kernel})
+        family = "widen" if args.kernel == "widen" else "int_mm"
+        _digest_torch._KERNELS.update({True: family, False: family})
+        transposed = args.kernel == "int_mm_t"
+        _digest_torch._TRANSPOSED.update({True: transposed, False: transposed})
     print(cpu_line())
     print(
         f"torch {torch.__version__}, safeview {safeview.__version__}, {device} "

@@ -84,6 +84,70 @@ def test_the_int8_kernel_and_the_widened_one_agree_where_int_mm_is_exact() -> No
         assert (out.numpy() == _products(view, 256)).all()
 
 
+def test_the_transposed_int8_kernel_gives_each_rows_exact_product_lane_by_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``"int_mm_t"`` (``R`` transposed times the rows transposed, where this CPU's oneDNN is
+    exact so): each lane's products in a row of their own, numpy's, for head-major pages read
+    in place, token-major ones and MLA rows of 576 bytes staged a few pages at a time, into a
+    layer's lanes (a run of rows inside them: not contiguous) and into a buffer of their own."""
+    if not _digest_torch._int_mm_exact(transposed=True):
+        pytest.skip("the transposed product is not exact on this CPU: it is never used here")
+    monkeypatch.setattr(_digest_torch, "_CHUNK_BYTES", 2 * 16 * 4 * 256)  # two pages below
+    generator = torch.Generator().manual_seed(38)
+    pages = torch.randint(-128, 128, (7, 16, 4, 256), dtype=torch.int8, generator=generator)
+    pages[0] = 127
+    pages[1] = -128
+    latent = torch.randint(-128, 128, (5, 16, 576), dtype=torch.int8, generator=generator)
+    small = pages[:1]  # one page: read without staging
+    for view, length in (
+        (pages, 256), (pages.permute(0, 2, 1, 3), 256), (latent, 576), (small, 256)
+    ):  # fmt: skip
+        rows = view.numel() // length
+        lanes = torch.full((2, rows + 10), -1, dtype=torch.int32)
+        _digest_torch._blocks_times_r(view, length, "int_mm_t", lanes[:, 5 : 5 + rows])
+        assert (_products(view, length) == lanes[:, 5 : 5 + rows].numpy().T).all()
+        assert (lanes[:, :5] == -1).all()  # nothing written past the run
+        assert (lanes[:, 5 + rows :] == -1).all()
+        own = torch.full((2, rows), -1, dtype=torch.int32)
+        _digest_torch._blocks_times_r(view, length, "int_mm_t", own)
+        assert (_products(view, length) == own.numpy().T).all()
+
+
+@pytest.mark.parametrize("kernel", ["int_mm", "int_mm_t", "widen"])
+def test_each_kernel_gives_the_formulas_digest_in_either_page_order_read_in_place_or_gathered(
+    monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """The whole digest held to each kernel (rows in 4-row groups, lane by lane, widened):
+    the formula's value and the widened kernel's token values, head- and token-major pages,
+    consecutive ids and scattered ones (gathered); rows longer than ``_TRANSPOSE_BYTES`` keep
+    the 4-row groups."""
+    if kernel != "widen" and not _digest_torch._int_mm_exact(transposed=kernel == "int_mm_t"):
+        pytest.skip(f"{kernel} is not exact on this CPU: it is never used here")
+    base = "widen" if kernel == "widen" else "int_mm"
+    monkeypatch.setattr(_digest_torch, "_KERNELS", {True: base, False: base})
+    transposed = kernel == "int_mm_t"
+    monkeypatch.setattr(_digest_torch, "_TRANSPOSED", {True: transposed, False: transposed})
+    assert _digest_torch._row_kernel(base, 256) == kernel
+    assert _digest_torch._row_kernel(base, _digest_torch._TRANSPOSE_BYTES + 1) == base
+    content = _content(layers=2, positions=50, heads=2, size=64, dtype=torch.bfloat16, seed=91)
+    expected = _reference(content, 50, heads=2)
+    for layout in ("LBHNC", "LBNHC"):
+        side = _side(content, tp=1, tokens=4, layout=layout, heads=2, seed=92)
+        manifest, caches = side.manifests[0], side.caches[0]
+        assert len(_digest_torch._runs(side.blocks)) > _digest_torch._MAX_RUNS  # gathered
+        found = safeview.digest(manifest, caches, side.blocks, num_tokens=50)
+        assert found.values == expected, (kernel, layout)
+        # token values too: the widened kernel's (rows row by row, lanes beside each other)
+        with monkeypatch.context() as held:
+            held.setattr(_digest_torch, "_KERNELS", {True: "widen", False: "widen"})
+            widened = safeview.digest(manifest, caches, side.blocks, num_tokens=50)
+        assert found.tokens == widened.tokens, (kernel, layout)
+        assert found == widened, (kernel, layout)
+        blocks = list(range(len(side.blocks)))  # one run, read in place (other bytes there)
+        assert safeview.digest(manifest, caches, blocks, num_tokens=50).values != expected
+
+
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from flags
 def test_a_digest_with_onednn_off_takes_the_widened_kernel_and_the_formulas_value(
     monkeypatch: pytest.MonkeyPatch,
@@ -123,6 +187,7 @@ wide = torch.full((256, 8), 127, dtype=torch.int8)  # weights past sv-digest-3's
 wide[:, 1::2] = -127
 exact_127 = torch.equal(torch._int_mm(rows, wide).double(), rows.double() @ wide.double())
 chosen = _digest_torch._cpu_kernel()
+row_kernel = _digest_torch._row_kernel(chosen, 256)
 values = {{}}
 for kernel in ("int_mm", "widen"):
     _digest_torch._KERNELS.update({{True: kernel, False: kernel}})
@@ -130,6 +195,8 @@ for kernel in ("int_mm", "widen"):
 print(json.dumps({{
     "capability": torch.backends.cpu.get_cpu_capability(),
     "exact": _digest_torch._int_mm_exact(),
+    "exact_transposed": _digest_torch._int_mm_exact(transposed=True),
+    "row_kernel": row_kernel,
     "exact_127": exact_127,
     "kernel": chosen,
     "values": values,
@@ -164,6 +231,11 @@ def test_a_process_held_to_avx2_digests_as_the_formula_with_either_kernel() -> N
     vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
     if vnni and torch._C._has_mkldnn:
         assert found["exact_127"] is False  # ONEDNN_MAX_CPU_ISA took effect: saturation
+        # the weights on the left are read as unsigned there: the transposed form is wrong,
+        # and never used
+        assert found["exact_transposed"] is False
+    if not found["exact_transposed"]:
+        assert found["row_kernel"] in ("int_mm", "widen")
 
 
 def test_the_int8_kernel_reads_large_and_strided_views_through_a_bounded_kept_buffer(

@@ -7,7 +7,10 @@ device (on CPU a few pages at a time, in address order); the rows times ``R``, e
 lanes per row: ``torch._int_mm`` (int8 x int8 -> int32) on CUDA and where the CPU has VNNI or
 AMX, else the rows widened to int32 a few pages at a time and multiplied by torch's int32
 product (``_cpu_kernel``); on CPU ``torch._int_mm`` reads a run of pages (or a strided view)
-copied into a kept buffer 1 MiB at a time, faster than where they lie. Per page shape, for all
+copied into a kept buffer 1 MiB at a time, faster than where they lie, and takes ``R``
+transposed on its left for rows of at most 1 KiB where that is exact and faster
+(``_row_kernel``: about twice as fast with VNNI), each lane's values then in a row of their
+own. Per page shape, for all
 its layers at once: the lanes times the position keys, summed per head, as one float64 product
 with the keys' 16-bit halves (exact: cut where a sum would pass ``2**53``), modulo ``PRIME``;
 the K/V, head, element type and layer keys on the few sums left. Part of the torch boundary
@@ -94,14 +97,35 @@ def _r_matrix(length: int, device: torch.device, group: int = 1) -> torch.Tensor
     return found
 
 
-def _rows_times_r(rows: torch.Tensor, length: int, out: torch.Tensor) -> None:
-    """``rows @ R`` exactly into ``out`` (int32 ``(M, 2)``, contiguous; one column per lane):
-    ``torch._int_mm`` where it runs (on CUDA more than 16 rows and a multiple of 8 bytes,
-    padded with zeros, which add nothing), ``_GROUP`` rows at a time where they lie one after
-    another, else a float64 product, exact below ``2**53``."""
+def _r_lanes(length: int) -> torch.Tensor:
+    """``R`` transposed for ``"int_mm_t"``: int8 ``(lanes, length)``, contiguous."""
+    found = _R_CACHE.get((length, 0, "cpu"))
+    if found is None:
+        found = _r_matrix(length, torch.device("cpu"))[:, :LANES].t().contiguous()
+        _R_CACHE[(length, 0, "cpu")] = found
+    return found
+
+
+def _rows_times_r(
+    rows: torch.Tensor, length: int, out: torch.Tensor, kernel: str = "int_mm"
+) -> None:
+    """``rows @ R`` exactly into ``out`` (int32 ``(M, 2)``, contiguous; one column per lane;
+    for ``"int_mm_t"`` ``(2, M)``, each lane's row contiguous): ``torch._int_mm`` where it runs
+    (on CUDA more than 16 rows and a multiple of 8 bytes, padded with zeros, which add
+    nothing), ``R`` transposed times the rows transposed for ``"int_mm_t"`` (two output rows,
+    none wasted), ``_GROUP`` rows at a time where they lie one after another, else a float64
+    product, exact below ``2**53``."""
     count = rows.shape[0]
     device = rows.device
     try:
+        if kernel == "int_mm_t":
+            if out.is_contiguous():
+                torch._int_mm(_r_lanes(length), rows.t(), out=out)
+            else:  # a run of rows inside a layer's lanes: each lane's part is contiguous
+                found = _scratch("lanes_t", (LANES, count), torch.int32, device)
+                torch._int_mm(_r_lanes(length), rows.t(), out=found)
+                out.copy_(found)
+            return
         if device.type == "cuda" and (count <= 16 or length % 8):
             matrix = _r_matrix(length, device)
             padded = torch.zeros(
@@ -125,6 +149,8 @@ def _rows_times_r(rows: torch.Tensor, length: int, out: torch.Tensor) -> None:
     except (RuntimeError, NotImplementedError):
         matrix = _r_matrix(length, device)
         found = (rows.to(torch.float64) @ matrix[:, :LANES].to(torch.float64)).to(torch.int64)
+        if kernel == "int_mm_t":
+            found = found.t()
     out.copy_(found)
 
 
@@ -133,13 +159,15 @@ _KERNELS: dict[bool, str] = {}  # per "oneDNN enabled": the CPU's kernel, probed
 _R_WIDE: dict[int, torch.Tensor] = {}
 
 
-def _int_mm_exact() -> bool:
+def _int_mm_exact(transposed: bool = False) -> bool:
     """Whether ``torch._int_mm`` gives the exact product here for the operands the digest
     multiplies (any bytes, weights at most ``WEIGHT_BOUND`` in magnitude), probed with those
     that strain it most: bytes of 127 and -128 against weights of +-64, and random ones.
     oneDNN's int8 kernels without VNNI (AVX2, AVX-512 without VNNI, or ``ONEDNN_MAX_CPU_ISA``
     below it) read the bytes as unsigned and add pairs of products into int16 with
-    saturation: exact for such weights (``2 * 255 * 64`` fits), wrong for larger ones."""
+    saturation: exact for such weights (``2 * 255 * 64`` fits), wrong for larger ones.
+    ``transposed``: the product as ``"int_mm_t"`` takes it, the weights on the left (read as
+    unsigned there: not exact on such CPUs)."""
     generator = torch.Generator().manual_seed(35)
     rows = torch.randint(-128, 128, (64, 1024), dtype=torch.int8, generator=generator)
     rows[:16] = 127
@@ -153,7 +181,10 @@ def _int_mm_exact() -> bool:
     weights[::2, 2] = bound
     weights[1::2, 2] = -bound
     try:
-        found = torch._int_mm(rows, weights)
+        if transposed:
+            found = torch._int_mm(weights.t().contiguous(), rows.t()).t()
+        else:
+            found = torch._int_mm(rows, weights)
     except (RuntimeError, NotImplementedError):
         return False
     exact = rows.to(torch.float64) @ weights.to(torch.float64)  # below 2**53
@@ -162,10 +193,11 @@ def _int_mm_exact() -> bool:
 
 def _cpu_kernel() -> str:
     """The kernel of the rows' products on this CPU, chosen once per process (and per
-    ``torch.backends.mkldnn.enabled``): ``"int_mm"`` (``torch._int_mm``, int8 x int8 -> int32)
-    where its probe is exact (``_int_mm_exact``) and not 3x as slow here as ``"widen"`` (the
-    bytes turned into int32 a few pages at a time and multiplied by ``R`` with torch's int32
-    product; exact, a row's sum is below ``2**27``), timed on 1 MiB of rows, best of five.
+    ``torch.backends.mkldnn.enabled``; off, ``"widen"``): ``"int_mm"`` (``torch._int_mm``,
+    int8 x int8 -> int32) where oneDNN is on, its probe is exact (``_int_mm_exact``) and not
+    3x as slow here as ``"widen"`` (the bytes turned into int32 a few pages at a time and
+    multiplied by ``R`` with torch's int32 product; exact, a row's sum is below ``2**27``),
+    timed on 1 MiB of rows, best of five.
     What ``torch._int_mm`` runs depends on the CPU and on torch: oneDNN's VNNI or AMX kernels
     (faster than ``"widen"``), its AVX2 or AVX-512 kernels without VNNI (exact for ``R``'s
     weights, about as fast as ``"widen"`` on one thread, and shared out over torch's threads,
@@ -175,8 +207,10 @@ def _cpu_kernel() -> str:
     found = _KERNELS.get(enabled)
     if found is None:
         found = "widen"
-        if _int_mm_exact():
-            int_mm, widen = _kernel_seconds()
+        # with oneDNN off, torch._int_mm is ATen's plain loop whatever the CPU: not timed
+        if enabled and _int_mm_exact():
+            times = _kernel_seconds(("int_mm", "widen"))
+            int_mm, widen = times["int_mm"], times["widen"]
             # oneDNN's kernels take 0.5x to 1x "widen"'s time, ATen's plain loop 9x to 11x
             # (an EPYC, quiet): the cut between them, with both timed in turn, so that a noisy
             # moment at the first digest does not settle the process on the slower kernel
@@ -185,21 +219,47 @@ def _cpu_kernel() -> str:
     return found
 
 
-def _kernel_seconds() -> tuple[float, float]:
-    """The best of five times ``"int_mm"`` and ``"widen"`` take for 1 MiB of rows of 256
-    bytes, a batch of pages, timed in turn (after a first call each, which may build the
-    kernel), so that a noisy moment weighs on both."""
+_TRANSPOSE_BYTES = 1024  # longest row "int_mm_t" takes: past it the 4-row groups were faster
+_TRANSPOSED: dict[bool, bool] = {}  # per "oneDNN enabled": whether "int_mm_t" is used
+
+
+def _row_kernel(kernel: str, length: int) -> str:
+    """The kernel for rows of ``length`` bytes on CPU, ``kernel`` being ``_cpu_kernel()``'s:
+    ``"int_mm_t"`` (``R`` transposed times the rows transposed: two output rows rather than
+    eight, of which the 4-row groups use all but compute three quarters of as zeros) where
+    ``kernel`` is ``"int_mm"``, the row is at most ``_TRANSPOSE_BYTES``, that form is exact
+    here (oneDNN's VNNI and AMX kernels; not its AVX2 ones) and not slower than the groups
+    (about 2x faster for rows of 128 to 512 bytes on an EPYC with VNNI; AMX's tiles may favour
+    the groups), timed once per process."""
+    if kernel != "int_mm" or length > _TRANSPOSE_BYTES:
+        return kernel
+    enabled = torch._C._has_mkldnn and torch._C._get_mkldnn_enabled()
+    found = _TRANSPOSED.get(enabled)
+    if found is None:
+        found = _int_mm_exact(transposed=True)
+        if found:
+            times = _kernel_seconds(("int_mm", "int_mm_t"))
+            found = times["int_mm_t"] <= times["int_mm"]
+        _TRANSPOSED[enabled] = found
+    return "int_mm_t" if found else kernel
+
+
+def _kernel_seconds(kernels: tuple[str, ...]) -> dict[str, float]:
+    """The best of five times each of ``kernels`` takes for 1 MiB of rows of 256 bytes, a
+    batch of pages, timed in turn (after a first call each, which may build the kernel), so
+    that a noisy moment weighs on each."""
     generator = torch.Generator().manual_seed(35)
     rows = torch.randint(-128, 128, (16, 256, 256), dtype=torch.int8, generator=generator)
     out = torch.empty(4096, LANES, dtype=torch.int32)
     wide = torch.empty(rows.shape, dtype=torch.int32)
-    best = {"int_mm": math.inf, "widen": math.inf}
+    best = dict.fromkeys(kernels, math.inf)
     for _ in range(6):
         for kernel in best:
             start = time.perf_counter()
-            _blocks_times_r(rows, 256, kernel, out, wide if kernel == "widen" else None)
+            into = out.view(LANES, -1) if kernel == "int_mm_t" else out
+            _blocks_times_r(rows, 256, kernel, into, wide if kernel == "widen" else None)
             best[kernel] = min(best[kernel], time.perf_counter() - start)
-    return best["int_mm"], best["widen"]
+    return best
 
 
 def _r_wide(length: int) -> torch.Tensor:
@@ -223,14 +283,15 @@ def _blocks_times_r(
 ) -> None:
     """The rows of ``view`` (int8, blocks first; each block's bytes, in its row-major order,
     are rows of ``length`` bytes) times ``R``, exactly, into ``out`` (int32 ``(rows, lanes)``,
-    contiguous). ``"widen"``: ``_WIDEN_BYTES`` of blocks at a time (a page at least; all of
+    contiguous; for ``"int_mm_t"`` ``(lanes, rows)``, each lane's row contiguous).
+    ``"widen"``: ``_WIDEN_BYTES`` of blocks at a time (a page at least; all of
     them into ``wide``, an int32 buffer of ``view``'s shape, where given) copied into int32,
     in the rows' order whatever the view's strides, and multiplied while they are in the
     core's cache."""
     if kernel != "widen":
         small = view.numel() <= _CHUNK_BYTES and view.is_contiguous()
         if view.device.type != "cpu" or small:
-            _rows_times_r(view.reshape(-1, length), length, out=out)
+            _rows_times_r(view.reshape(-1, length), length, out=out, kernel=kernel)
             return
         # in batches of ``_CHUNK_BYTES`` copied into a kept buffer first: ``torch._int_mm``
         # reads its operand slower from memory than from the core's cache, and a strided view
@@ -244,7 +305,8 @@ def _blocks_times_r(
             part = stage[: count * per_block]
             part.view(count, *tail).copy_(view[at : at + count])
             rows = slice(at * per_block // length, (at + count) * per_block // length)
-            _rows_times_r(part.view(-1, length), length, out=out[rows])
+            into = out[:, rows] if kernel == "int_mm_t" else out[rows]
+            _rows_times_r(part.view(-1, length), length, out=into, kernel=kernel)
         return
     weights = _r_wide(length)
     if wide is not None:
@@ -445,7 +507,11 @@ class _Plan:
         self.gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.steps: list[_Step] | None = None
         self.rows_per_block = math.prod(self.shape_tail) // self.piece_bytes
-        self.kernel = _cpu_kernel() if device.type == "cpu" else "int_mm"
+        self.kernel = "int_mm"
+        if device.type == "cpu":
+            self.kernel = _row_kernel(_cpu_kernel(), self.piece_bytes)
+        # the rows' lanes each lane's after the other (``"int_mm_t"``'s output), else row by row
+        self.lane_major = self.kernel == "int_mm_t"
         largest = 128 * WEIGHT_BOUND * self.piece_bytes  # |<row, R>|
         self.terms = max(1, (_EXACT - 1) // (largest * (_SPLIT - 1)))
         self.outer_offsets: list[tuple[int, dict[str, int]]] = [(0, {})]
@@ -559,7 +625,7 @@ def _layer_lanes(
     per = plan.rows_per_block
     for part, (offset, _) in enumerate(plan.outer_offsets):
         start = layer.byte_offset + offset
-        into = out[part].view(-1, LANES)
+        into = out[part].view(LANES, -1) if plan.lane_major else out[part].view(-1, LANES)
         if len(runs) <= _MAX_RUNS:
             for first, count, where in runs:
                 view = torch.as_strided(
@@ -568,7 +634,7 @@ def _layer_lanes(
                     [layer.block_stride_bytes, *plan.stride_tail],
                     start + first * layer.block_stride_bytes,
                 )
-                rows = into[where * per : (where + count) * per]
+                rows = _rows_of(into, where * per, (where + count) * per, plan.lane_major)
                 _blocks_times_r(view, plan.piece_bytes, plan.kernel, out=rows)
             continue
         # the pages' bytes gathered whole (a row copy per block), then read as rows
@@ -588,8 +654,15 @@ def _layer_lanes(
         # while its pages are in the core's cache: the pages read once
         for step in plan.gather_steps(ids_tensor):
             torch.index_select(whole, 0, step.ids, out=step.pages)
-            lanes = into[step.first_row : step.first_row + step.count_rows]
+            lanes = _rows_of(
+                into, step.first_row, step.first_row + step.count_rows, plan.lane_major
+            )
             _blocks_times_r(step.rows, plan.piece_bytes, plan.kernel, lanes, step.wide)
+
+
+def _rows_of(lanes: torch.Tensor, start: int, stop: int, lane_major: bool) -> torch.Tensor:
+    """Rows ``start`` to ``stop`` of a layer's lanes, laid out row by row or lane by lane."""
+    return lanes[:, start:stop] if lane_major else lanes[start:stop]
 
 
 def _plan_sums(
@@ -614,10 +687,16 @@ def _plan_sums(
     heads, rows = len(plan.heads), keys.shape[0]
     found: list[torch.Tensor] = []
     lanes = _scratch("lanes", (parts, per_entry), torch.int32, device)
-    by_head = lanes.view(parts, rows, heads, plan.post, LANES).permute(0, 2, 1, 3, 4)
+    if plan.lane_major:  # values (entries, heads, lanes, rows, post), keys in that order
+        by_head = lanes.view(parts, LANES, rows, heads, plan.post).permute(0, 3, 1, 2, 4)
+        shape_tail: tuple[int, ...] = (LANES, rows, plan.post)
+        keys = keys.view(rows, plan.post, LANES, 2 * LANES).permute(2, 0, 1, 3).contiguous()
+    else:  # values (entries, heads, rows, post, lanes)
+        by_head = lanes.view(parts, rows, heads, plan.post, LANES).permute(0, 2, 1, 3, 4)
+        shape_tail = (rows, plan.post, LANES)
     for at in range(0, len(members), per_batch):
         batch = members[at : at + per_batch]
-        shape = (len(batch) * parts, heads, rows, plan.post, LANES)
+        shape = (len(batch) * parts, heads, *shape_tail)
         values = _scratch("values", shape, torch.float64, device)
         for index, (name, layer, tensor) in enumerate(batch):
             _layer_lanes(name, layer, tensor, runs, gather, plan, lanes)
@@ -634,7 +713,7 @@ def _plan_sums(
         weights = (layer_keys.view(-1, 1, LANES) * outer.view(1, parts, LANES) % PRIME).view(
             -1, LANES
         )  # per entry (layer, K/V part) and lane
-        _token_sums(values, weights, row_keys, run_of_row, token_sums)
+        _token_sums(values, weights, row_keys, run_of_row, token_sums, plan.lane_major)
     return found
 
 
@@ -647,6 +726,7 @@ def _token_sums(
     row_keys: torch.Tensor,
     run_of_row: torch.Tensor,
     into: torch.Tensor,
+    lane_major: bool = False,
 ) -> None:
     """Add to ``into`` (int64 ``(heads, runs + 1, lanes)``) each head's sum, per run of tokens,
     of every entry's rows: the row's lane times its key times its entry's ``weights`` (the
@@ -654,7 +734,8 @@ def _token_sums(
     (float64 ``(entries, heads, rows, post, lanes)``, exact); one float64 product of the
     entries' weights (16-bit halves, both lanes) with the lanes where they lie (each lane's
     weights applied to both lanes' values, and the other lane's products left: no copy of
-    ``values``), then per lane one multiply by the rows' keys and one sum per run."""
+    ``values``), then per lane one multiply by the rows' keys and one sum per run.
+    ``lane_major``: ``values`` is ``(entries, heads, lanes, rows, post)``."""
     entries, heads = values.shape[:2]
     count = run_of_row.numel()
     flat = values.view(entries, heads * count * LANES)
@@ -663,9 +744,15 @@ def _token_sums(
         part = weights[start : start + _ENTRIES]  # (entries, lanes)
         halves = torch.stack((part % _SPLIT, part // _SPLIT))  # (half, entry, lane)
         left = halves.permute(0, 2, 1).reshape(2 * LANES, -1).to(torch.float64)
-        product = (left @ flat[start : start + _ENTRIES]).view(2, LANES, heads * count, LANES)
+        product = left @ flat[start : start + _ENTRIES]
         # each lane's weights with its own lane's values (integers below 2**53, exact)
-        mine = torch.diagonal(product, dim1=1, dim2=3).to(torch.int64)  # (half, rows, lane)
+        if lane_major:
+            by_lane = product.view(2, LANES, heads, LANES, count)
+            mine = torch.diagonal(by_lane, dim1=1, dim2=3).to(torch.int64)
+            mine = mine.reshape(2, heads * count, LANES)  # (half, head and row, lane)
+        else:
+            by_row = product.view(2, LANES, heads * count, LANES)
+            mine = torch.diagonal(by_row, dim1=1, dim2=3).to(torch.int64)  # (half, rows, lane)
         total += _fold(mine[0] + _fold(mine[1]) * _SPLIT)
     weighed = _fold(_fold(total)).view(heads, count, LANES) * row_keys.reshape(1, count, LANES)
     into.index_add_(1, run_of_row.reshape(count), _fold(weighed))
