@@ -3,7 +3,9 @@
 The cache, as vLLM 0.33 holds it: per layer a ``[num_blocks, H, block_size, 2 * head_size]``
 bf16 tensor (``safeview.manifest.vllm_axes()``) in both physical orders vLLM uses, ``LBHNC``
 (head-major pages: the tensor itself) and ``LBNHC`` (token-major pages: a ``[B, N, H, C]``
-tensor permuted to ``[B, H, N, C]``); 32 layers, 8 KV heads of 128, 16-token blocks, 2,048
+tensor permuted to ``[B, H, N, C]``), and ``LBHNC-fp8-scale`` (issue 37: per-token-head fp8
+pages, ``[B, H, N, 2 * 132]`` int8, each K and V row 128 e4m3 values then their fp32 scale,
+described with those two parts); 32 layers, 8 KV heads of 128, 16-token blocks, 2,048
 blocks (``--blocks``), every byte written before it is read. The manifest is made once with
 ``safeview.describe`` (as an integration makes it at registration); the measured call is
 ``safeview.digest(manifest, kv_caches, block_ids)`` with the block ids a Python list, as vLLM
@@ -19,7 +21,7 @@ on purpose: a fresh output each call (its page faults are not a copy's cost, and
 allocates nothing of that size), and ``index_select`` of the permuted ``[B, H, N, C]`` view of
 an ``LBNHC`` cache, which writes the bytes in another order (a transposing copy, dearer than
 reading them once); that one is printed for scale. Target: digest / copy at most 1.5x for the
-128-block request, both orders, both id patterns.
+128-block request, every layout, both id patterns.
 
 Each round runs every row once, interleaved (odd rounds in reverse order, so that neither side
 always finds the request's bytes in the caches the other just filled); a figure is the median
@@ -42,7 +44,8 @@ and ``ATEN_CPU_CAPABILITY=avx2`` (with MKL's ``MKL_ENABLE_INSTRUCTIONS=AVX2``) g
 AVX2-only CPU's path on a CPU with more; the first line shows whether they took effect.
 
 Run: python benchmarks/bench_digest.py [--rounds 9] [--blocks 2048] [--device cpu]
-     [--threads N] [--cpu-time] [--layouts LBHNC LBNHC] [--kernel auto|int_mm|int_mm_t|widen]
+     [--threads N] [--cpu-time] [--layouts LBHNC LBNHC LBHNC-fp8-scale]
+     [--kernel auto|int_mm|int_mm_t|widen]
      [--no-onednn]
 """
 
@@ -65,6 +68,13 @@ REQUEST_BLOCKS = 128  # 2,048 tokens
 TARGET = 1.5
 PAGE_BYTES = 2 * HEADS * TOKENS * HEAD_SIZE * 2  # K and V, bf16
 PIECE_BYTES = HEAD_SIZE * 2  # a row: one (K/V, token, head) vector of bf16
+SCALED = "LBHNC-fp8-scale"  # per-token-head fp8: each row its 128 e4m3 values, then an fp32 scale
+SCALED_ROW = HEAD_SIZE + 4
+SCALED_PARTS = [
+    {"name": "data", "offset_bytes": 0, "length_bytes": HEAD_SIZE, "dtype": "float8_e4m3fn"},
+    {"name": "scale", "role": "scale", "offset_bytes": HEAD_SIZE, "length_bytes": 4,
+     "dtype": "float32", "granularity": "token_head"},
+]  # fmt: skip
 
 
 def _caches(
@@ -75,7 +85,11 @@ def _caches(
     pattern = torch.randint(-128, 128, (PAGE_BYTES * 64,), dtype=torch.int8, device=device)
     views, physical = {}, []
     for layer in range(LAYERS):
-        if layout == "LBHNC":
+        if layout == SCALED:
+            pages = torch.empty(blocks, HEADS, TOKENS, 2 * SCALED_ROW, dtype=torch.int8,
+                                device=device)  # fmt: skip
+            view = pages
+        elif layout == "LBHNC":
             pages = torch.empty(blocks, HEADS, TOKENS, 2 * HEAD_SIZE, dtype=torch.bfloat16,
                                 device=device)  # fmt: skip
             view = pages
@@ -98,11 +112,14 @@ def _rows(
 ) -> dict[str, tuple[Callable[[], object], int]]:
     """Per row: the call and the request's bytes it covers."""
     views, physical = _caches(layout, blocks, device)
+    scaled = layout == SCALED
     manifest = safeview.describe(
         views,
-        axes=vllm_axes(),
+        axes=("block", "head", "token", "kv|element") if scaled else vllm_axes(),
         topology={"tp_rank": 0, "tp_size": 1, "total_kv_heads": HEADS},
+        parts=SCALED_PARTS if scaled else None,
     )
+    page_bytes = physical[0][0].numel() * physical[0].element_size()
     chooser = random.Random(seed)
     first = chooser.randrange(blocks - REQUEST_BLOCKS)
     consecutive = list(range(first, first + REQUEST_BLOCKS))
@@ -129,14 +146,14 @@ def _rows(
 
         return run
 
-    request = REQUEST_BLOCKS * PAGE_BYTES * LAYERS
+    request = REQUEST_BLOCKS * page_bytes * LAYERS
     return {
         "copy, consecutive": (copy(consecutive), request),
         "digest, consecutive": (digest(consecutive), request),
         "copy, scattered": (copy(scattered), request),
         "digest, scattered": (digest(scattered), request),
-        "copy, 1 block": (copy(one), PAGE_BYTES * LAYERS),
-        "digest, 1 block": (digest(one), PAGE_BYTES * LAYERS),
+        "copy, 1 block": (copy(one), page_bytes * LAYERS),
+        "digest, 1 block": (digest(one), page_bytes * LAYERS),
         "view.index_select(0, ids), new output, consecutive": (view_select(consecutive), request),
     }
 
@@ -208,7 +225,7 @@ def main() -> int:
         "--threads", type=int, default=None, help="torch intra-op threads (CPU; default torch's)"
     )
     parser.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time")
-    parser.add_argument("--layouts", nargs="+", default=["LBHNC", "LBNHC"])
+    parser.add_argument("--layouts", nargs="+", default=["LBHNC", "LBNHC", SCALED])
     parser.add_argument(
         "--kernel",
         choices=["auto", "int_mm", "int_mm_t", "widen"],
