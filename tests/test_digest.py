@@ -263,6 +263,7 @@ def test_equal_meaning_equal_digests_and_one_changed_byte_names_its_layer_and_he
     assert [(f.kind, f.layer, f.heads) for f in findings] == [("digest", name, (held[local],))]
     assert findings[0].receiver_rank == rank
     assert f"head {held[local]}" in findings[0].message
+    assert "context-parallel" not in findings[0].message  # neither side splits tokens so
 
 
 def test_bytes_past_the_request_and_in_other_blocks_are_not_its_meaning() -> None:

@@ -320,6 +320,7 @@ def verify(sent: Digest | Sequence[Digest], received: Digest | Sequence[Digest])
                     layer, differ, theirs, received_ranks, (their_types, our_types),
                     (their_runs, our_runs) if same_layers else None,
                     sent_group[0].num_tokens,
+                    any(d.cp_size > 1 for d in sent_group + received_group),
                 )
             )  # fmt: skip
         if absent:
@@ -348,8 +349,10 @@ def _mismatch(
     types: tuple[dict[str, str], dict[str, str]],
     runs: tuple[dict[tuple[int, int], tuple[int, ...]], ...] | None,
     num_tokens: int,
+    context_parallel: bool,
 ) -> Finding:
-    """One ``digest`` finding for ``layer``'s (head, context-parallel rank)s that differ."""
+    """One ``digest`` finding for ``layer``'s (head, context-parallel rank)s that differ
+    (the rank named only where a side splits tokens by context parallelism)."""
     heads = tuple(dict.fromkeys(head for _, head, _ in differ))
     ranks = tuple(sorted({theirs[k][1] for k in differ}))
     their_type, our_type = types[0].get(layer), types[1].get(layer)
@@ -368,7 +371,7 @@ def _mismatch(
             f"(of {num_tokens:,}, every layer together)"
         )
     ranked = [k[2] for k in differ if k[2] >= 0]
-    cp = f", context-parallel rank {ranked[0]}" if ranked else ""
+    cp = f", context-parallel rank {ranked[0]}" if ranked and context_parallel else ""
     return Finding.digest_mismatch(
         layer,
         heads=heads,
