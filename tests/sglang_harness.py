@@ -15,7 +15,11 @@ receives them, and D reports what its pool holds. Each process prints one JSON l
 and ends with ``os._exit`` (SGLang 0.5.23's ``teardown`` aborts in libzmq).
 
 With ``SAFEVIEW_HARNESS_INSTALL=1`` the process calls ``safeview.sglang.install()`` first, as
-SGLang's plugin loader would.
+SGLang's plugin loader would. Per case (``tests/test_sglang_digest.py``): ``num_tokens`` (P's
+sender says the request's tokens), ``decode_policy`` (D's manager made under that policy),
+``corrupt`` (one byte of D rank 0's received pages changed once the transfer is done and
+before SGLang's receiver reports it: ``_corrupt_when_done``); ``SAFEVIEW_HARNESS_FRAMES=1``:
+D reports the first frame of every message its decode thread was offered.
 
 What stands in for what SGLang would have (nothing else is changed):
 
@@ -335,7 +339,10 @@ def prefill(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
                 _pattern(pool, pages)
             result["sent"] = _page_bytes(pool, pages)
             sender.init(len(pages), 0)
-            sender.send(np.array(pages, dtype=np.int32))
+            if case.get("num_tokens"):  # the request's tokens, as SGLang's prefill says them
+                sender.send(np.array(pages, dtype=np.int32), num_kv_tokens=case["num_tokens"])
+            else:
+                sender.send(np.array(pages, dtype=np.int32))
             result["state"] = _wait(sender.poll, {"Success", "Failed"}, deadline)
             if result["state"] == "Failed":
                 result["reason"] = _reason(sender)
@@ -378,10 +385,64 @@ def _cut_short(wire: Any, length: int, manifest: Any) -> bytes:
     return bytes(wire(manifest))[:length]
 
 
+def _decode_policy(case: dict[str, Any]) -> Any:
+    """``decode_policy``: D's manager of this case made under that policy (safeview's scope;
+    a manager keeps the policy in force when it registered)."""
+    import contextlib
+
+    if not case.get("decode_policy"):
+        return contextlib.nullcontext()
+    from safeview.policy import policy_scope
+
+    return policy_scope(case["decode_policy"])
+
+
+def _corrupt_when_done(manager: Any, pool: Any, pages: list[int], where: list[int]) -> None:
+    """``corrupt``: ``[buffer, place, byte]``: when SGLang's decode thread marks the room
+    ``Success`` (every P rank reported its pages written), one byte of D's pool changes, in
+    buffer ``buffer`` (K buffers, then V, as registered), page ``pages[place]``, byte ``byte``
+    of that page; SGLang's receiver reports the room done only after (a stray write into
+    received pages, after the transfer and before D reads them)."""
+    import torch
+
+    buffer_index, place, byte = (int(x) for x in where)
+    original = manager.update_status
+
+    def update_status(room: int, status: Any) -> Any:
+        if int(status) == 4 and manager.request_status.get(room) not in (None, 0, 4):
+            buffer = [*pool.k_buffer, *pool.v_buffer][buffer_index]
+            raw = buffer.view(torch.uint8).view(buffer.shape[0], -1)
+            page = raw[pages[place] * PAGE_SIZE : (pages[place] + 1) * PAGE_SIZE].view(-1)
+            page[byte] ^= 0xFF
+        return original(room, status)
+
+    manager.update_status = update_status
+
+
+_FRAMES: list[str] = []  # SAFEVIEW_HARNESS_FRAMES=1: the first frame of each message D got
+
+
+def _record_frames() -> None:
+    """Note the first frame of every message D's decode thread offers its handlers after
+    ``AUX_DATA`` (``handle_chunk_ready``, SGLang's first), as text, at most 24 characters."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager  # type: ignore[import-not-found,unused-ignore]
+
+    original = MooncakeKVManager.handle_chunk_ready
+
+    def handle_chunk_ready(self: Any, msg: Any) -> Any:
+        if msg:
+            _FRAMES.append(bytes(msg[0])[:24].decode("latin-1"))
+        return original(self, msg)
+
+    MooncakeKVManager.handle_chunk_ready = handle_chunk_ready
+
+
 def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
     import numpy as np
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver  # type: ignore[import-not-found,unused-ignore]
 
+    if os.environ.get("SAFEVIEW_HARNESS_FRAMES") == "1":
+        _record_frames()
     server_args = _server_args("decode", port, _tp(cases[0]["decode"]), rank)
     for room, case in enumerate(cases, start=1):
         if room > 1:
@@ -393,8 +454,11 @@ def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
             judged = sys.modules["safeview.sglang._mooncake"]
             sent = judged.to_wire
             setattr(judged, "to_wire", functools.partial(_cut_short, sent, int(forged)))  # noqa: B010
-        manager = _manager(pool, "decode", server_args, _total_heads(case["decode"]), rank=rank)
+        with _decode_policy(case):
+            manager = _manager(pool, "decode", server_args, _total_heads(case["decode"]), rank=rank)
         _KEEP.append(manager)
+        if case.get("corrupt") and rank == 0:
+            _corrupt_when_done(manager, pool, case["dst_pages"], case["corrupt"])
         deadline = time.monotonic() + TIMEOUT_S
         address = f"127.0.0.1:{port}"
         # as the decode queue does before it makes a receiver: P's parallel info, once
@@ -410,6 +474,8 @@ def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
             result["reason"] = _reason(receiver)
         result["received"] = _page_bytes(pool, pages)
         result["nonzero_bytes"] = _nonzero(pool)
+        if _FRAMES:
+            result["frames"] = sorted(set(_FRAMES))
         if forged:
             setattr(judged, "to_wire", sent)  # noqa: B010
         if case.get("by_meaning"):

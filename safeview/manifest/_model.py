@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -146,6 +147,13 @@ class Topology(BaseModel):
         return found or None
 
 
+# Layers whose checks passed, by id (the instance itself kept, to tell a reused id). pydantic
+# runs a model's after-validator again each time an instance is nested in another model (every
+# Layer of a Manifest, at each Manifest made): a frozen instance gives the same verdict, so it
+# is checked once.
+_VALIDATED: weakref.WeakValueDictionary[int, Layer] = weakref.WeakValueDictionary()
+
+
 class Layer(BaseModel):
     """One layer's page: ``axes`` in physical order (outermost first; size-1 axes first, with
     stride 0), ``page_bytes`` (the bytes one block holds: its chunks, each the span of the inner
@@ -175,6 +183,8 @@ class Layer(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Layer:
+        if _VALIDATED.get(id(self)) is self:
+            return self  # this frozen instance passed already (nested in a Manifest)
         if DTYPE_ITEMSIZE[self.dtype] != self.itemsize:
             raise ValueError(f"itemsize {self.itemsize} is not that of {self.dtype}")
         names = [axis.axis for axis in self.axes]
@@ -219,6 +229,7 @@ class Layer(BaseModel):
                 "manifest can address"
             )
         object.__setattr__(self, "fingerprint", fingerprint)
+        _VALIDATED[id(self)] = self
         return self
 
     def _kv_in_parts(self) -> bool:

@@ -110,8 +110,7 @@ def pool_buffers(pool: Any) -> list[Buffer]:
     found = []
     for name, tensor in named:
         pages, _shape, strides = _slot_geometry(name, tensor, page_size)
-        itemsize = _torch.geometry(tensor).itemsize
-        found.append(Buffer(name, tensor, page_size * strides[0] * itemsize, pages))
+        found.append(Buffer(name, tensor, page_size * strides[0] * tensor.element_size(), pages))
     return found
 
 
@@ -132,10 +131,17 @@ def _dtype_of(pool: Any, tensor: Any) -> str:
 
 
 def _attention_layer(
-    name: str, pool: Any, key: Any, value: Any, heads: Sequence[int] | None
+    name: str,
+    pool: Any,
+    key: Any,
+    value: Any,
+    heads: Sequence[int] | None,
+    memo: dict[tuple[Any, ...], Layer | None] | None = None,
 ) -> Layer | None:
     """K and V as one layer whose outer ``kv`` axis steps from K to V, when both lie in one
-    storage with one geometry and V after K; else ``None``."""
+    storage with one geometry and V after K; else ``None``. ``memo``: the verdicts of layers
+    already read, by geometry (a model's layers are alike: each page read once, not per layer;
+    a layer names itself only in an error, and an error ends the reading)."""
     if not (_torch.is_strided_tensor(key) and _torch.is_strided_tensor(value)):
         return None
     k_geometry, v_geometry = _torch.geometry(key), _torch.geometry(value)
@@ -143,6 +149,25 @@ def _attention_layer(
         _torch.storage_facts(_torch.storage_of(key)).key
         == _torch.storage_facts(_torch.storage_of(value)).key
     )
+    remembered = (k_geometry, v_geometry, same_storage, key.dtype, value.dtype)
+    if memo is not None and remembered in memo:
+        return memo[remembered]
+    fused = _fused_layer(name, pool, key, value, heads, k_geometry, v_geometry, same_storage)
+    if memo is not None:
+        memo[remembered] = fused
+    return fused
+
+
+def _fused_layer(
+    name: str,
+    pool: Any,
+    key: Any,
+    value: Any,
+    heads: Sequence[int] | None,
+    k_geometry: _torch.Geometry,
+    v_geometry: _torch.Geometry,
+    same_storage: bool,
+) -> Layer | None:
     gap_bytes = v_geometry.byte_offset - k_geometry.byte_offset
     if (
         not same_storage
@@ -251,8 +276,9 @@ def describe_pool(pool: Any, *, topology: Topology | Mapping[str, Any] | None = 
 
             heads = layer_heads(known.tp_rank, known.tp_size, known.total_kv_heads, head_num)
         ids = _layer_ids(pool, len(pool.k_buffer))
+        memo: dict[tuple[Any, ...], Layer | None] = {}
         for layer_id, key, value in zip(ids, pool.k_buffer, pool.v_buffer):
-            fused = _attention_layer(f"layers.{layer_id}", pool, key, value, heads)
+            fused = _attention_layer(f"layers.{layer_id}", pool, key, value, heads, memo)
             if fused is not None:
                 layers[f"layers.{layer_id}"] = fused
             else:
@@ -268,14 +294,17 @@ def describe_pool(pool: Any, *, topology: Topology | Mapping[str, Any] | None = 
     return Manifest(topology=known, layers=layers)
 
 
-def pool_memory_map(pool: Any, *, whole_buffers: bool = False) -> MemoryMap:
+def pool_memory_map(
+    pool: Any, *, whole_buffers: bool = False, buffers: Sequence[Buffer] | None = None
+) -> MemoryMap:
     """The pool's buffers as a ``safeview.transfer.MemoryMap``: each storage at its address,
     each buffer a view of pages of SGLang's ``item_len`` bytes (``whole_buffers``: one page
     holding the whole buffer, to judge what SGLang registers), named as ``pool_buffers`` names
-    them. Buffers on ``meta`` have no address and are left out."""
+    them (``buffers``: what ``pool_buffers(pool)`` returned, when the caller has it). Buffers
+    on ``meta`` have no address and are left out."""
     storages: dict[int, StorageSpan] = {}
     views: list[ViewSpan] = []
-    for buffer in pool_buffers(pool):
+    for buffer in pool_buffers(pool) if buffers is None else buffers:
         facts = _torch.storage_facts(_torch.storage_of(buffer.tensor))
         if not facts.base:
             continue
@@ -408,6 +437,12 @@ def install() -> None:
             _wrap_pool_class(cls)
         _wrap_state_pools()
         _mooncake.install_manager()
+        try:  # SAFEVIEW_DIGEST's hooks, on top of the manager's (safeview.sglang._digest)
+            from safeview.sglang._digest import install_digest
+
+            install_digest()
+        except Exception as error:
+            step_aside("digests left off", f"{type(error).__name__}: {error}")
     except Exception as error:
         log.integration(
             "integration_unavailable",

@@ -45,14 +45,17 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from typing import Any
 
+from safeview import _arith, _torch
 from safeview.errors import AddressError, ManifestError, SafeViewError
 from safeview.manifest import Layer, Manifest, Topology
 from safeview.manifest.peer import judge_peer
 from safeview.manifest.wire import from_wire, to_wire
 from safeview.policy import Policy, current_policy
 from safeview.sglang import (
+    Buffer,
     describe_pool,
     pool_buffers,
     pool_memory_map,
@@ -77,7 +80,9 @@ class _Side:
     """What safeview knows of one manager: the policy in force when it registered, its pool and
     its manifest (``None`` when its pool is not one safeview read)."""
 
-    __slots__ = ("buffers", "local", "manifest", "peers", "policy", "pool", "refusals")
+    __slots__ = (
+        "buffers", "local", "manifest", "peers", "policy", "pool", "refusals", "tables", "wire",
+    )  # fmt: skip
 
     def __init__(self, policy: Policy, pool: Any, manifest: Manifest | None) -> None:
         self.policy = policy
@@ -91,6 +96,10 @@ class _Side:
         self.peers: dict[str, tuple[MemoryMap, bool]] = {}
         # D: a prefill rank's "ip:port" -> why its transfers are refused (strict only)
         self.refusals: dict[str, str] = {}
+        # P: the pool's pages (key None) and each session's, as sorted columns (_Pages), with
+        # the map each was made from
+        self.tables: dict[str | None, tuple[MemoryMap, _Pages]] = {}
+        self.wire: bytes | None = None  # the manifest's wire form, made once
 
 
 def _topology(manager: Any) -> Topology:
@@ -131,18 +140,46 @@ def _side(manager: Any) -> _Side:
 def check_registration(manager: Any, side: _Side) -> None:
     """Every KV region the manager is about to register lies inside the pool buffer it came
     from, in the order ``get_contiguous_buf_infos`` gave them. Raises ``AddressError`` under
-    strict; logs under warn."""
+    strict; logs under warn. Regions proven inside their buffers in one sorted sweep over
+    integers (``_inside_buffers``) need nothing more; any other registration is judged by
+    ``check_descriptors``, which names what is wrong."""
     buffers = pool_buffers(side.pool)
     kv_args = manager.kv_args
     rows = list(zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens))[: len(buffers)]
+    if _inside_buffers(rows, buffers):
+        return
     names: list[str | None] = [buffer.name for buffer in buffers[: len(rows)]]
     check_descriptors(
         rows,
-        pool_memory_map(side.pool, whole_buffers=True),
+        pool_memory_map(side.pool, whole_buffers=True, buffers=buffers),
         layers=names,
         whole_pages=False,
         policy=side.policy,
     )
+
+
+def _inside_buffers(rows: list[tuple[Any, Any]], buffers: list[Buffer]) -> bool:
+    """Whether each region ``(address, length)`` lies inside the buffer beside it, every
+    buffer inside its storage and no two buffers sharing a byte: what ``check_descriptors``
+    finds no fault in (a region inside one whole-buffer page of its own layer's view). ``False``
+    says only that the proof failed (an address not a plain int, a buffer on ``meta``)."""
+    spans = []
+    for (address, length), buffer in zip(rows, buffers):
+        if type(address) is not int or type(length) is not int or length <= 0:
+            return False
+        facts = _torch.storage_facts(_torch.storage_of(buffer.tensor))
+        geometry = _torch.geometry(buffer.tensor)
+        extent = _arith.extent_bytes(0, geometry.shape, geometry.strides, geometry.itemsize)
+        start = facts.base + geometry.byte_offset
+        if (
+            not facts.base
+            or geometry.byte_offset + extent > facts.nbytes
+            or not start <= address <= address + length <= start + extent
+        ):
+            return False
+        spans.append((start, start + extent))
+    spans.sort()
+    return all(end <= following for (_, end), (following, _) in itertools.pairwise(spans))
 
 
 def _wrap(cls: type, name: str, make: Any, *, inherited: bool = False) -> None:
@@ -193,7 +230,7 @@ def _build_receiver_registration_message(original: Any) -> Any:
         try:
             side = _side(self)
             if side.manifest is not None and side.policy is not Policy.OFF:
-                message = [*message, MANIFEST_FRAME + to_wire(side.manifest)]
+                message = [*message, MANIFEST_FRAME + _own_wire(side, side.manifest)]
         except Exception as error:
             step_aside("manifest not sent", f"{type(error).__name__}: {error}")
         return message
@@ -403,6 +440,14 @@ def judge_prefill_peer(manager: Any, msg: list[bytes]) -> None:
     )
 
 
+def _own_wire(side: _Side, manifest: Manifest) -> bytes:
+    """The side's manifest on the wire, made at its first handshake and kept (the same bytes
+    go to every peer)."""
+    if side.wire is None:
+        side.wire = to_wire(manifest)
+    return side.wire
+
+
 def send_manifest_to_decode(manager: Any, info: Any) -> None:
     """P's manifest to the D that registered as ``info``, on the ZMQ channel P sends D's status
     messages on (SGLang's own socket for that endpoint)."""
@@ -415,7 +460,7 @@ def send_manifest_to_decode(manager: Any, info: Any) -> None:
         return
     address = NetworkAddress(info.endpoint, int(info.dst_port))
     frames = [
-        MANIFEST_FRAME + to_wire(side.manifest),
+        MANIFEST_FRAME + _own_wire(side, side.manifest),
         f"{manager.local_ip}:{manager.rank_port}".encode("ascii"),
         str(int(manager.kv_args.kv_item_lens[0])).encode("ascii"),
         str(int(manager.attn_tp_rank)).encode("ascii"),
@@ -467,10 +512,7 @@ def check_transfer(manager: Any, side: _Side, session: str, blocks: Any) -> bool
     if known is None or side.pool is None:
         return True
     peer, whole_pages = known
-    local = side.local
-    if local is None:
-        local = side.local = pool_memory_map(side.pool)
-        side.buffers = _buffer_spans(local)
+    local = _local_map(side)
     starts, spans = side.buffers
     spans_of_storages = [(s.address, s.address + s.nbytes) for s in local.storages]
     kv_rows = [
@@ -494,6 +536,133 @@ def check_transfer(manager: Any, side: _Side, session: str, blocks: Any) -> bool
     except AddressError:
         return False
     return True
+
+
+def _local_map(side: _Side) -> MemoryMap:
+    """P's pool pages as a memory map, made at the first transfer and kept."""
+    local = side.local
+    if local is None:
+        local = side.local = pool_memory_map(side.pool)
+        side.buffers = _buffer_spans(local)
+    return local
+
+
+def _table(side: _Side, key: str | None, memory: MemoryMap) -> _Pages:
+    """``memory`` as ``_Pages``, made once per map (``key``: the session, ``None`` for P's)."""
+    known = side.tables.get(key)
+    if known is None or known[0] is not memory:
+        known = side.tables[key] = (memory, _Pages(memory))
+    return known[1]
+
+
+class _Pages:
+    """A memory map's views as sorted numpy columns, to prove a whole batch right at once:
+    each row whole pages of the view it starts in (one page, or a run of pages of a view whose
+    pages abut), or with ``whole_pages=False`` a slice inside one page, which
+    ``check_descriptors`` finds no fault in. ``usable`` is false where two views or two
+    storages share a byte (every batch then goes to ``check_descriptors``)."""
+
+    def __init__(self, memory: MemoryMap) -> None:
+        import numpy as np
+
+        address = {storage.name: storage.address for storage in memory.storages}
+        views = sorted(
+            (address[view.storage] + view.byte_offset, view.block_stride_bytes, view.page_bytes,
+             view.num_blocks, view.layer or view.name)
+            for view in memory.views
+        )  # fmt: skip
+        storages = sorted((s.address, s.address + s.nbytes) for s in memory.storages)
+        ends = [start + max(0, n - 1) * stride + page for start, stride, page, n, _ in views]
+        self.names = list(dict.fromkeys(view[4] for view in views))
+        self.usable = (
+            bool(views)
+            and all(page > 0 and n > 0 and stride >= page for _, stride, page, n, _ in views)
+            and all(end <= view[0] for end, view in zip(ends, views[1:], strict=False))
+            and all(end <= start for (_, end), (start, _) in itertools.pairwise(storages))
+            and max(ends + [end for _, end in storages]) < 2**64
+        )
+        number = {name: index for index, name in enumerate(self.names)}
+        unsigned = np.uint64
+        self.starts = np.array([view[0] for view in views], dtype=unsigned)
+        self.strides = np.array([view[1] for view in views], dtype=unsigned)
+        self.pages = np.array([view[2] for view in views], dtype=unsigned)
+        self.blocks = np.array([view[3] for view in views], dtype=unsigned)
+        self.ends = np.array(ends, dtype=unsigned) if self.usable else self.starts
+        self.layers = np.array([number[view[4]] for view in views], dtype=np.int64)
+        self.storage_starts = np.array([start for start, _ in storages], dtype=unsigned)
+        self.storage_ends = np.array([end for _, end in storages], dtype=unsigned)
+
+    def in_storages(self, addresses: Any) -> Any:
+        """Which addresses lie in one of the map's storages."""
+        import numpy as np
+
+        at = np.searchsorted(self.storage_starts, addresses, side="right").astype(np.int64) - 1
+        inside = at >= 0
+        return inside & (addresses < self.storage_ends[np.maximum(at, 0)])
+
+    def proven(self, addresses: Any, lengths: Any, whole_pages: bool) -> Any:
+        """The index of each row's layer in ``names``, or ``None`` unless every row is proven."""
+        import numpy as np
+
+        at = np.searchsorted(self.starts, addresses, side="right").astype(np.int64) - 1
+        if not self.usable or not len(at) or at.min() < 0:
+            return None
+        offset = addresses - self.starts[at]
+        stride, page = self.strides[at], self.pages[at]
+        block = offset // stride
+        within = offset - block * stride
+        ends = addresses + lengths
+        right = (lengths > 0) & (ends > addresses) & (ends <= self.ends[at])
+        right &= block < self.blocks[at]
+        if whole_pages:
+            right &= (within == 0) & (
+                (lengths == page) | ((stride == page) & (lengths % page == 0))
+            )
+        else:
+            right &= within + lengths <= page
+        return self.layers[at] if bool(right.all()) else None
+
+
+def _proven_batch(side: _Side, session: str, sources: Any, destinations: Any, lengths: Any) -> bool:
+    """Whether every KV row of a batch is proven right at once (``_Pages``): ``check_transfer``
+    would find nothing. ``False`` says only that the proof failed: the batch goes to
+    ``check_transfer``, which judges and names each row."""
+    try:
+        return _proven_rows(side, session, sources, destinations, lengths)
+    except Exception:  # numbers the proof cannot hold (past 2**64): check_transfer judges them
+        return False
+
+
+def _proven_rows(side: _Side, session: str, sources: Any, destinations: Any, lengths: Any) -> bool:
+    import numpy as np
+
+    known = side.peers.get(session)
+    if known is None or side.pool is None:
+        return True
+    peer, whole_pages = known
+    sent = np.array(sources, dtype=np.uint64)
+    received = np.array(destinations, dtype=np.uint64)
+    counts = np.array(lengths, dtype=np.uint64)
+    if not sent.ndim == received.ndim == counts.ndim == 1 or not (
+        len(sent) == len(received) == len(counts)
+    ):
+        return False
+    mine = _table(side, None, _local_map(side))
+    kv = mine.in_storages(sent)
+    if not kv.any():
+        return True  # rows of no pool safeview read (metadata, state): SGLang's
+    sent, received, counts = sent[kv], received[kv], counts[kv]
+    theirs = _table(side, session, peer)
+    from_layers = mine.proven(sent, counts, whole_pages)
+    if from_layers is None:
+        return False
+    into_layers = theirs.proven(received, counts, whole_pages)
+    if into_layers is None:
+        return False
+    # each row lands in D's buffer named as the P buffer it comes from
+    number = {name: index for index, name in enumerate(theirs.names)}
+    meant = np.array([number.get(name, -1) for name in mine.names], dtype=np.int64)
+    return bool((meant[from_layers] == into_layers).all())
 
 
 def _buffer_spans(memory: MemoryMap) -> tuple[list[int], list[tuple[int, int, str | None]]]:
@@ -533,6 +702,7 @@ class JudgedEngine:
                 side is None
                 or side.policy is Policy.OFF
                 or not buffers
+                or _proven_batch(side, session_id, buffers, peer_buffer_addresses, lengths)
                 or check_transfer(
                     manager, side, session_id, zip(buffers, peer_buffer_addresses, lengths)
                 )

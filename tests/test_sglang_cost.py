@@ -1,0 +1,193 @@
+"""What keeps safeview's SGLang hooks cheap (issue 39's cost) without changing a verdict: a
+pool's layers of one geometry read once and each ``Layer`` checked once, P's manifest put on the
+wire once, a Mooncake batch proven right in one numpy pass before any row is explained, a
+registration proven inside its buffers in one sorted sweep. Each proof is held against the full
+judge it stands in front of (``check_descriptors``, ``check_transfer``). CPU pools built as
+SGLang 0.5.23 allocates them; no SGLang needed (``tests/test_sglang.py`` runs the real
+managers)."""
+
+from __future__ import annotations
+
+import random
+import types
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import safeview.manifest._model as model
+from safeview.errors import AddressError
+from safeview.manifest import Layer, Manifest
+from safeview.policy import Policy
+from safeview.sglang import _mooncake as mooncake
+from safeview.sglang import describe_pool, pool_buffers, pool_memory_map
+from safeview.transfer import check_descriptors
+
+PAGE, HEADS, HEAD_DIM, LAYERS, PAGES = 4, 2, 8, 3, 6
+ITEM = PAGE * HEADS * HEAD_DIM * 2  # bytes of one page of one K or V buffer (bf16)
+SESSION = "127.0.0.1:9"
+
+
+def _pool() -> Any:
+    """An MHA pool as SGLang 0.5.23 allocates one: per layer, K and V as the two halves of one
+    CPU allocation, ``[slots, heads, head_dim]`` each."""
+    shape = (2, PAGES * PAGE, HEADS, HEAD_DIM)
+    fused = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    return types.SimpleNamespace(
+        k_buffer=[both[0] for both in fused], v_buffer=[both[1] for both in fused],
+        page_size=PAGE, head_num=HEADS, dtype=torch.bfloat16, start_layer=0, keep=fused,
+    )  # fmt: skip
+
+
+def _pair(whole_pages: bool = True) -> tuple[Any, Any, mooncake._Side]:
+    """P's pool, D's pool, and P's side with D's session registered as SGLang would."""
+    prefill, decode = _pool(), _pool()
+    side = mooncake._Side(Policy.STRICT, prefill, describe_pool(prefill))
+    pointers = [buffer.tensor.data_ptr() for buffer in pool_buffers(decode)]
+    peer = mooncake.peer_memory_map(describe_pool(decode), pointers)
+    assert peer is not None
+    side.peers[SESSION] = (peer, whole_pages)
+    return prefill, decode, side
+
+
+def _page(pool: Any, buffer: int, page: int) -> int:
+    return int(pool_buffers(pool)[buffer].tensor.data_ptr()) + page * ITEM
+
+
+def _judged(side: mooncake._Side, rows: list[tuple[int, int, int]]) -> tuple[bool, bool]:
+    """(the proof's verdict, the full judge's) on one batch of ``(src, dst, length)`` rows."""
+    sources, destinations, lengths = (list(column) for column in zip(*rows, strict=True))
+    proven = mooncake._proven_batch(side, SESSION, sources, destinations, lengths)
+    return proven, mooncake.check_transfer(None, side, SESSION, rows)
+
+
+def test_describe_pool_reads_one_page_per_geometry_and_keeps_the_manifest() -> None:
+    pool = _pool()
+    manifest = describe_pool(pool)
+    assert list(manifest.layers) == ["layers.0", "layers.1", "layers.2"]
+    # one Layer for the three alike layers: read once, not per layer
+    assert manifest.layers["layers.0"] is manifest.layers["layers.2"]
+    each = {
+        f"layers.{i}": describe_pool(
+            types.SimpleNamespace(**{**vars(pool), "k_buffer": [k], "v_buffer": [v]})
+        ).layers["layers.0"]
+        for i, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True))
+    }
+    assert dict(manifest.layers) == each  # the same meaning as each layer read alone
+
+
+def test_a_layer_of_another_geometry_is_read_as_its_own() -> None:
+    pool = _pool()
+    odd = torch.zeros(2, PAGES * PAGE, HEADS, 2 * HEAD_DIM, dtype=torch.bfloat16)
+    pool.k_buffer[1], pool.v_buffer[1] = odd[0], odd[1]
+    manifest = describe_pool(pool)
+    assert manifest.layers["layers.0"] is manifest.layers["layers.2"]
+    assert manifest.layers["layers.1"].page_bytes == 2 * manifest.layers["layers.0"].page_bytes
+
+
+def test_the_own_manifest_goes_on_the_wire_once() -> None:
+    _, _, side = _pair()
+    assert side.manifest is not None
+    first = mooncake._own_wire(side, side.manifest)
+    assert mooncake._own_wire(side, side.manifest) is first
+
+
+def test_whole_pages_into_the_same_layer_are_proven_without_the_row_by_row_judge() -> None:
+    prefill, decode, side = _pair()
+    rows = [(_page(prefill, b, 2 * p), _page(decode, b, 2 * p + 1), ITEM)
+            for b in range(2 * LAYERS) for p in range(3)]  # fmt: skip
+    rows.append((_page(prefill, 0, 0), _page(decode, 0, 4), 2 * ITEM))  # a run of two pages
+    assert _judged(side, rows) == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("case", "row"),
+    [
+        ("one byte into the page", lambda p, d: (_page(p, 0, 1) + 1, _page(d, 0, 1), ITEM)),
+        ("short of a page", lambda p, d: (_page(p, 0, 1), _page(d, 0, 1), ITEM - 2)),
+        ("past D's last page", lambda p, d: (_page(p, 0, 1), _page(d, 0, PAGES), ITEM)),
+        ("K's page into D's V", lambda p, d: (_page(p, 0, 1), _page(d, LAYERS, 1), ITEM)),
+        ("two pages past P's end", lambda p, d: (_page(p, 0, PAGES - 1), _page(d, 0, 0), 2 * ITEM)),
+        ("into no D buffer", lambda p, d: (_page(p, 0, 1), 8, ITEM)),
+    ],
+)  # fmt: skip
+def test_a_wrong_row_is_left_to_the_judge_that_refuses_it(case: str, row: Any) -> None:
+    prefill, decode, side = _pair()
+    good = (_page(prefill, 1, 0), _page(decode, 1, 0), ITEM)
+    assert _judged(side, [good, row(prefill, decode)]) == (False, False), case
+
+
+def test_rows_of_no_pool_read_are_left_to_sglang_by_both() -> None:
+    _, _, side = _pair()
+    metadata = torch.zeros(64, dtype=torch.uint8)
+    rows = [(metadata.data_ptr(), 8, 16)]
+    assert _judged(side, rows) == (True, True)
+
+
+def test_slices_inside_one_page_are_proven_at_another_tp_and_a_slice_across_two_is_not() -> None:
+    prefill, decode, side = _pair(whole_pages=False)
+    inside = (_page(prefill, 0, 1) + 32, _page(decode, 0, 2) + 64, 64)
+    across = (_page(prefill, 0, 1) + ITEM - 32, _page(decode, 0, 2), 64)
+    assert _judged(side, [inside]) == (True, True)
+    assert _judged(side, [inside, across]) == (False, False)
+
+
+def test_the_proof_never_passes_a_batch_the_judge_refuses() -> None:
+    prefill, decode, side = _pair()
+    chooser = random.Random(39)
+    passed = 0
+    for _ in range(300):
+        rows = []
+        for _ in range(chooser.randint(1, 12)):
+            buffer, page = chooser.randrange(2 * LAYERS), chooser.randrange(PAGES + 1)
+            other = buffer if chooser.random() < 0.9 else chooser.randrange(2 * LAYERS)
+            shift = chooser.choice([0] * 12 + [1, -1, ITEM // 2])
+            length = chooser.choice([ITEM] * 12 + [2 * ITEM, ITEM - 1, ITEM + 1])
+            rows.append((_page(prefill, buffer, page), _page(decode, other, page) + shift, length))
+        proven, judged = _judged(side, rows)
+        assert judged or not proven, rows
+        passed += proven
+    assert passed > 30  # the clean batches drawn are proven, not all sent to the judge
+
+
+def test_a_registration_inside_its_buffers_is_proven_and_one_past_is_refused() -> None:
+    pool = _pool()
+    buffers = pool_buffers(pool)
+    rows = [(int(b.tensor.data_ptr()), int(b.tensor.nbytes)) for b in buffers]
+    assert mooncake._inside_buffers(rows, buffers)
+    whole = pool_memory_map(pool, whole_buffers=True)
+    names: list[str | None] = [b.name for b in buffers]
+    assert check_descriptors(rows, whole, layers=names, whole_pages=False, policy="strict") == []
+    past = [(rows[0][0], rows[0][1] + 1), *rows[1:]]
+    assert not mooncake._inside_buffers(past, buffers)
+    side = mooncake._Side(Policy.STRICT, pool, describe_pool(pool))
+    kv_args = types.SimpleNamespace(
+        kv_data_ptrs=[r[0] for r in past], kv_data_lens=[r[1] for r in past]
+    )
+    with pytest.raises(AddressError) as raised:
+        mooncake.check_registration(types.SimpleNamespace(kv_args=kv_args), side)
+    assert "layers.0.k" in str(raised.value)
+
+
+def test_a_layer_nested_in_a_manifest_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = describe_pool(_pool()).layers["layers.0"]
+    checked: list[Layer] = []
+    real = model._layer_fingerprint
+
+    def counted(layer: Layer) -> str:
+        checked.append(layer)
+        return real(layer)
+
+    monkeypatch.setattr(model, "_layer_fingerprint", counted)
+    manifest = Manifest(layers={f"layers.{i}": layer for i in range(61)})
+    assert checked == []  # pydantic's after-validator met the checked instance 61 times
+    assert manifest.fingerprint == Manifest.model_validate_json(manifest.to_json()).fingerprint
+    assert len(checked) == 61  # each layer read from text: new instances, each checked
+
+
+def test_a_layer_made_without_its_checks_is_still_refused_in_a_manifest() -> None:
+    layer = describe_pool(_pool()).layers["layers.0"]
+    forged = Layer.model_construct(**{**dict(layer), "chunk_bytes": layer.chunk_bytes + 2})
+    with pytest.raises(ValidationError, match="chunk_bytes"):
+        Manifest(layers={"layers.0": forged})
