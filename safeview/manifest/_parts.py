@@ -54,11 +54,13 @@ PartRole = Literal["data", "scale", "rope", "pad", "segment"]
 Granularity = Literal["tensor", "head", "token_head", "block", "tile"]
 TpRule = Literal["heads", "segment", "replicated"]
 IndexAxis = Literal["kv", "token", "head", "element"]
-# torch's dtypes, and the 4-bit pair torch names float4_e2m1fn_x2 (two e2m1 values a byte)
-PartDType = DTypeName | Literal["float4_e2m1fn_x2"]
-PART_DTYPE_ITEMSIZE: dict[str, int] = {**DTYPE_ITEMSIZE, "float4_e2m1fn_x2": 1}
-# elements one storage unit holds (a float4_e2m1fn_x2 byte holds two)
-_PER_UNIT = {"float4_e2m1fn_x2": 2}
+# torch's dtypes, and its two 4-bit pairs: float4_e2m1fn_x2 (two e2m1 values a byte) and
+# quint4x2 (two unsigned 4-bit codes a byte, element 2i in the low nibble, read with a scale
+# and a zero point: vLLM's int4_per_token_head, pack_int4_nibbles)
+PartDType = DTypeName | Literal["float4_e2m1fn_x2", "quint4x2"]
+PART_DTYPE_ITEMSIZE: dict[str, int] = {**DTYPE_ITEMSIZE, "float4_e2m1fn_x2": 1, "quint4x2": 1}
+# elements one storage unit holds (a float4_e2m1fn_x2 or quint4x2 byte holds two)
+_PER_UNIT = {"float4_e2m1fn_x2": 2, "quint4x2": 2}
 
 SWIZZLES: dict[str, str] = {
     "linear": "element i at position i",
@@ -140,7 +142,7 @@ class Part(BaseModel):
 
     @property
     def elements(self) -> int:
-        """Values the part holds (two per byte for ``float4_e2m1fn_x2``)."""
+        """Values the part holds (two per byte for ``float4_e2m1fn_x2`` and ``quint4x2``)."""
         return self.units * _PER_UNIT.get(self.dtype, 1)
 
     @property

@@ -84,6 +84,9 @@ from safeview.manifest.wire import (
 )
 from safeview.policy import Policy
 from safeview.vllm._background import Background
+from safeview.vllm._parts import NVFP4_AXES as VLLM_NVFP4_AXES
+from safeview.vllm._parts import mla_dims_of as vllm_mla_dims_of
+from safeview.vllm._parts import nvfp4_page as vllm_nvfp4_page
 from safeview.vllm._parts import parts_of as vllm_parts_of
 
 __all__ = ["ENV_MANIFEST_DIR", "Registered", "at_registration", "manifest_dir"]
@@ -145,14 +148,20 @@ def _kind(spec: Any) -> str | None:
 
 
 def describe_caches(
-    kv_caches: Mapping[str, Any], kv_cache_config: Any, topology: Topology
+    kv_caches: Mapping[str, Any],
+    kv_cache_config: Any,
+    topology: Topology,
+    model_config: Any = None,
 ) -> Derived:
     """The manifest of the layers of ``kv_caches`` that ``kv_cache_config`` gives a spec with
     per-layer views (attention, MLA, Mamba state) and a 4-d cache, read off their strides (its
     fingerprint and text at once, the ``Manifest`` when a peer is judged); the parts of each
     row (inline scales, MLA rope, a Mamba state's segments and padding) from the layer's spec
-    (``safeview.vllm._parts``)."""
+    (``safeview.vllm._parts``), a plain MLA row's latent and rope from vLLM's ``model_config``
+    (without it, one ``data`` part)."""
     of_layer = _specs_and_groups(kv_cache_config)
+    mla_dims: tuple[int, int] | None = None  # the model config's, read at the first MLA layer
+    mla_read = False
     caches: dict[str, Any] = {}
     axes: dict[str, tuple[str, ...]] = {}
     kinds: dict[str, Any] = {}
@@ -160,6 +169,9 @@ def describe_caches(
     parts: dict[str, Any] = {}
     parts_of_spec: dict[tuple[int, int, int], Any] = {}  # one list per spec and row
     kind_of: dict[type, str | None] = {}  # a model has a few spec types and many layers
+    nvfp4_of_spec: dict[int, Any] = {}
+    page_heads: dict[str, int] = {}  # NVFP4 layers: their heads are in parts, not on an axis
+    page_tokens: set[int] = set()  # ... and their block tokens
     axes_of: dict[str, tuple[str, ...]] = {}
     for name, cache in kv_caches.items():
         spec, group = of_layer.get(name, (None, -1))  # no spec: no kind, left out below
@@ -168,8 +180,21 @@ def describe_caches(
             kind = kind_of[type(spec)] = _kind(spec)
         if kind is None or getattr(cache, "ndim", 0) != 4:
             continue  # a flat byte view, a layer without views: nothing derivable
-        caches[name] = cache
         groups[name] = group
+        if kind == "attention" and id(spec) not in nvfp4_of_spec:
+            nvfp4_of_spec[id(spec)] = vllm_nvfp4_page(spec, cache)
+        nvfp4 = nvfp4_of_spec.get(id(spec)) if kind == "attention" else None
+        if nvfp4 is not None:  # K's side then V's, parts over heads and tokens: as vLLM reads it
+            side_parts, side = nvfp4
+            caches[name] = cache.as_strided(
+                (cache.shape[0], 2, side), (cache.stride(0), side, 1), cache.storage_offset()
+            )
+            axes[name] = axes_of.setdefault("nvfp4", VLLM_NVFP4_AXES)
+            parts[name] = side_parts
+            page_heads[name] = int(spec.num_kv_heads)
+            page_tokens.add(int(cache.shape[2]))
+            continue
+        caches[name] = cache
         if kind not in axes_of:
             axes_of[kind] = vllm_axes(kind)  # type: ignore[arg-type]
         axes[name] = axes_of[kind]
@@ -178,20 +203,42 @@ def describe_caches(
         # the row: one K or V half of the last axis for attention, the whole of it otherwise
         row = int(cache.shape[-1]) // (2 if kind == "attention" else 1) * cache.element_size()
         key = (id(spec), row, cache.element_size())
+        if kind == "mla" and not mla_read:
+            mla_dims, mla_read = vllm_mla_dims_of(model_config), True
         if key not in parts_of_spec:
-            parts_of_spec[key] = vllm_parts_of(spec, row)
+            parts_of_spec[key] = vllm_parts_of(spec, row, mla_dims if kind == "mla" else None)
         if parts_of_spec[key] is not None:
             parts[name] = parts_of_spec[key]
     if not caches:
         raise ManifestError("kv_caches", len(kv_caches), "hold no attention, MLA or Mamba layer")
+    if len(page_tokens) == 1 and topology.kernel_block_tokens is None:
+        topology = topology.model_copy(update={"kernel_block_tokens": page_tokens.pop()})
     if topology.pp_size > 1 and topology.stage_layers is None:
         topology = topology.model_copy(update={"stage_layers": _stage_layers(caches)})
     # one tuple for every layer when they share it: describe reads it once
     shared = next(iter(axes_of.values())) if len(axes_of) == 1 else None
-    return derive(
+    derived = derive(
         caches, axes=shared or axes, topology=topology, groups=groups, kinds=kinds,
         parts=parts or None,
     )  # fmt: skip
+    return _with_page_heads(derived, page_heads) if page_heads else derived
+
+
+def _with_page_heads(derived: Derived, local_heads: Mapping[str, int]) -> Derived:
+    """``derived`` with the global KV heads of each layer whose page lays its heads out in
+    parts (NVFP4: ``local_heads`` of them), which ``derive`` reads from a head axis only."""
+    topology = derived.topology
+    entries = []
+    for name, layer in derived.manifest().layers.items():
+        if name in local_heads:
+            held = layer_heads(
+                topology.tp_rank, topology.tp_size, topology.total_kv_heads, local_heads[name]
+            )
+            layer = Layer.model_validate(
+                {**layer.model_dump(exclude={"fingerprint"}), "heads": held}
+            )
+        entries.append((name, layer, layer.byte_offset))
+    return Derived(topology, entries)
 
 
 def _stage_layers(caches: Mapping[str, Any]) -> tuple[int, ...]:
@@ -1286,7 +1333,12 @@ def at_registration(
             layouts = [
                 WorkerLayout(
                     worker,
-                    describe_caches(kv_caches, kv_cache_config, _worker_topology(worker)),
+                    describe_caches(
+                        kv_caches,
+                        kv_cache_config,
+                        _worker_topology(worker),
+                        getattr(worker.vllm_config, "model_config", None),
+                    ),
                     folder,
                     policy,
                 )
@@ -1296,7 +1348,8 @@ def at_registration(
         else:
             layouts = []
             topology = _connector_topology(connector)
-            manifests = [describe_caches(kv_caches, kv_cache_config, topology)]
+            model_config = getattr(connector._vllm_config, "model_config", None)
+            manifests = [describe_caches(kv_caches, kv_cache_config, topology, model_config)]
         paths = [None if folder is None else write_manifest(m, folder) for m in manifests]
         for layout, path in zip(layouts, paths):
             layout.path = path
