@@ -261,3 +261,41 @@ def test_the_int8_kernel_reads_large_and_strided_views_through_a_bounded_kept_bu
     stage = getattr(_digest_torch._SCRATCH, "stage", None)
     assert stage is not None  # the views were staged
     assert stage.numel() <= max(_digest_torch._CHUNK_BYTES, 64 * 1152)  # a batch, or one page
+
+
+@pytest.mark.parametrize("row", [64, 31, 132])  # spans of 8-byte words, and not
+def test_scattered_blocks_gathered_as_words_or_bytes_digest_as_the_same_blocks_in_one_run(
+    row: int,
+) -> None:
+    """A request's blocks scattered over the cache (gathered, as 8-byte words where the pages
+    fall on them, else as bytes) digest as the same pages copied in request order into one run
+    of blocks (read in place): the same meaning, whatever the path."""
+    generator = torch.Generator().manual_seed(row)
+    blocks, heads, tokens = 40, 2, 3
+    cache = torch.randint(-128, 128, (blocks, heads, tokens, 2 * row), dtype=torch.int8,
+                          generator=generator)  # fmt: skip
+    ids = [int(b) for b in torch.randperm(blocks, generator=generator)[:17]]
+    assert len(_digest_torch._runs(ids)) > _digest_torch._MAX_RUNS
+    span = heads * tokens * 2 * row
+    assert (span % 8 == 0) == (row != 31)
+    in_order = torch.zeros_like(cache)
+    in_order[: len(ids)] = cache[ids]
+    axes = ("block", "head", "token", "kv|element")
+    topology = {"tp_rank": 0, "tp_size": 1, "total_kv_heads": heads}
+    gathered = safeview.digest(
+        safeview.describe({"l0": cache}, axes=axes, topology=topology), {"l0": cache}, ids
+    )
+    read = safeview.digest(
+        safeview.describe({"l0": in_order}, axes=axes, topology=topology),
+        {"l0": in_order},
+        list(range(len(ids))),
+    )
+    assert gathered == read
+    assert (
+        gathered.values["l0"]
+        != safeview.digest(
+            safeview.describe({"l0": cache}, axes=axes, topology=topology),
+            {"l0": cache},
+            sorted(ids),
+        ).values["l0"]
+    )  # the blocks' order is meaning
