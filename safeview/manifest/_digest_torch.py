@@ -695,7 +695,7 @@ def _plan_sums(
     layer's lanes made into one small buffer and copied from there, as float64 and head by
     head, into its batch's values; each batch (as many layers as ``_BATCH_BYTES`` holds) then
     weighed at once. Into ``token_sums`` (int64 ``(heads, runs + 1, lanes)``, the plan's
-    heads) each batch's sums per head and run of tokens (``_token_sums``)."""
+    heads) each batch's sums per head and run of tokens (``_TokenSums``, once per plan)."""
     parts = len(plan.outer_offsets)
     per_entry = blocks * plan.rows_per_block * LANES
     per_batch = max(1, _BATCH_BYTES // max(8 * per_entry * parts, 1))
@@ -712,6 +712,7 @@ def _plan_sums(
     else:  # values (entries, heads, rows, post, lanes)
         by_head = lanes.view(parts, rows, heads, plan.post, LANES).permute(0, 2, 1, 3, 4)
         shape_tail = (rows, plan.post, LANES)
+    tokens = _TokenSums(row_keys, run_of_row, token_sums)
     for at in range(0, len(members), per_batch):
         batch = members[at : at + per_batch]
         shape = (len(batch) * parts, heads, *shape_tail)
@@ -731,50 +732,67 @@ def _plan_sums(
         weights = (layer_keys.view(-1, 1, LANES) * outer.view(1, parts, LANES) % PRIME).view(
             -1, LANES
         )  # per entry (layer, K/V part) and lane
-        _token_sums(values, weights, row_keys, run_of_row, token_sums, plan.lane_major)
+        tokens.add(values, weights, plan.lane_major)
+    tokens.flush()
     return found
 
 
 _ENTRIES = 512  # entries weighed in one float64 product: 512 * 2**16 * 2**27 < 2**53
 
 
-def _token_sums(
-    values: torch.Tensor,
-    weights: torch.Tensor,
-    row_keys: torch.Tensor,
-    run_of_row: torch.Tensor,
-    into: torch.Tensor,
-    lane_major: bool = False,
-) -> None:
-    """Add to ``into`` (int64 ``(heads, runs + 1, lanes)``) each head's sum, per run of tokens,
-    of every entry's rows: the row's lane times its key times its entry's ``weights`` (the
-    layer's key times the K/V part's), modulo ``PRIME``. ``values``: the batch's lanes
-    (float64 ``(entries, heads, rows, post, lanes)``, exact); one float64 product of the
-    entries' weights (16-bit halves, both lanes) with the lanes where they lie (each lane's
-    weights applied to both lanes' values, and the other lane's products left: no copy of
-    ``values``), then per lane one multiply by the rows' keys and one sum per run.
-    ``lane_major``: ``values`` is ``(entries, heads, lanes, rows, post)``."""
-    entries, heads = values.shape[:2]
-    count = run_of_row.numel()
-    flat = values.view(entries, heads * count * LANES)
-    total = torch.zeros(heads * count, LANES, dtype=torch.int64, device=values.device)
-    for start in range(0, entries, _ENTRIES):
-        part = weights[start : start + _ENTRIES]  # (entries, lanes)
-        halves = torch.stack((part % _SPLIT, part // _SPLIT))  # (half, entry, lane)
-        left = halves.permute(0, 2, 1).reshape(2 * LANES, -1).to(torch.float64)
-        product = left @ flat[start : start + _ENTRIES]
-        # each lane's weights with its own lane's values (integers below 2**53, exact)
-        if lane_major:
-            by_lane = product.view(2, LANES, heads, LANES, count)
+class _TokenSums:
+    """Each head's sum, per run of tokens, of every entry's rows (the row's lane times its key
+    times its entry's weight: the layer's key times the K/V part's), added into ``into``
+    (int64 ``(heads, runs + 1, lanes)``) modulo ``PRIME``. ``add`` takes a batch's values
+    (float64 ``(entries, heads, rows, post, lanes)``, or ``(entries, heads, lanes, rows,
+    post)`` lane by lane; exact) and their ``weights`` (int64 ``(entries, lanes)``): one
+    float64 product of the weights' 16-bit halves (both lanes) with the values where they lie
+    (each lane's weights applied to both lanes' values, the other lane's products left: no copy
+    of the values), added up over batches while the sums stay exact (``_ENTRIES`` entries);
+    ``flush`` (then, and at the end) takes each lane's own products to int64, multiplies them by
+    the rows' keys and adds them per run into ``into``: once per plan rather than per batch."""
+
+    def __init__(self, row_keys: torch.Tensor, run_of_row: torch.Tensor, into: torch.Tensor):
+        self.row_keys, self.run_of_row, self.into = row_keys, run_of_row, into
+        self.product: torch.Tensor | None = None
+        self.entries = 0
+        self.lane_major = False
+
+    def add(self, values: torch.Tensor, weights: torch.Tensor, lane_major: bool) -> None:
+        entries, heads = values.shape[:2]
+        flat = values.view(entries, heads * self.run_of_row.numel() * LANES)
+        self.lane_major = lane_major
+        for start in range(0, entries, _ENTRIES):
+            part = weights[start : start + _ENTRIES]  # (entries, lanes)
+            if self.entries + part.shape[0] > _ENTRIES:
+                self.flush()
+            halves = torch.stack((part % _SPLIT, part // _SPLIT))  # (half, entry, lane)
+            left = halves.permute(0, 2, 1).reshape(2 * LANES, -1).to(torch.float64)
+            product = left @ flat[start : start + _ENTRIES]
+            if self.product is None:
+                self.product = product
+            else:  # integers below 2**53 while at most _ENTRIES entries: exact
+                self.product += product
+            self.entries += part.shape[0]
+
+    def flush(self) -> None:
+        if self.product is None:
+            return
+        heads, count = self.into.shape[0], self.run_of_row.numel()
+        # each lane's weights with its own lane's values
+        if self.lane_major:
+            by_lane = self.product.view(2, LANES, heads, LANES, count)
             mine = torch.diagonal(by_lane, dim1=1, dim2=3).to(torch.int64)
             mine = mine.reshape(2, heads * count, LANES)  # (half, head and row, lane)
         else:
-            by_row = product.view(2, LANES, heads * count, LANES)
+            by_row = self.product.view(2, LANES, heads * count, LANES)
             mine = torch.diagonal(by_row, dim1=1, dim2=3).to(torch.int64)  # (half, rows, lane)
-        total += _fold(mine[0] + _fold(mine[1]) * _SPLIT)
-    weighed = _fold(_fold(total)).view(heads, count, LANES) * row_keys.reshape(1, count, LANES)
-    into.index_add_(1, run_of_row.reshape(count), _fold(weighed))
-    into.remainder_(PRIME)
+        total = _fold(mine[0] + _fold(mine[1]) * _SPLIT)
+        keys = self.row_keys.reshape(1, count, LANES)
+        weighed = _fold(_fold(total)).view(heads, count, LANES) * keys
+        self.into.index_add_(1, self.run_of_row.reshape(count), _fold(weighed))
+        self.into.remainder_(PRIME)
+        self.product, self.entries = None, 0
 
 
 def _fold(x: torch.Tensor) -> torch.Tensor:
