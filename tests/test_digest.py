@@ -327,7 +327,8 @@ def test_rows_at_the_exactness_bound_digest_as_the_formula() -> None:
 
 def test_layers_weighed_one_batch_or_many_digest_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan's layers are weighed together, as many as fit ``_BATCH_BYTES``: one layer per
-    batch gives the same values as all in one, consecutive ids and scattered ones."""
+    batch gives the same values and token values as all in one, consecutive ids and scattered
+    ones, and so do token values weighed entry by entry (``_ENTRIES``)."""
     content = _content(layers=3, positions=70, heads=2, size=8, dtype=torch.bfloat16, seed=51)
     side = _side(content, tp=1, tokens=4, layout="LBNHC", heads=2, seed=52)
     assert len(_digest_torch._runs(side.blocks)) > _digest_torch._MAX_RUNS
@@ -341,7 +342,15 @@ def test_layers_weighed_one_batch_or_many_digest_alike(monkeypatch: pytest.Monke
         safeview.digest(manifest, caches, ids, num_tokens=70) for ids in (side.blocks, consecutive)
     ]
     assert [d.values for d in apart] == [d.values for d in together]
+    assert apart == together  # the token values too
     assert together[0].values == _reference(content, 70, heads=2)
+    # token values weighed once per plan, or every entry on its own
+    monkeypatch.setattr(_digest_torch, "_ENTRIES", 1)
+    flushed = [
+        safeview.digest(manifest, caches, ids, num_tokens=70) for ids in (side.blocks, consecutive)
+    ]
+    assert flushed == together
+    assert flushed[0].tokens == together[0].tokens
 
 
 def test_a_thread_keeps_at_most_its_scratch_limit_between_digests(
