@@ -354,10 +354,13 @@ def test_a_mapping_replaced_since_it_was_read_is_read_again_before_a_refusal(gua
     with tempfile.TemporaryFile() as small, tempfile.TemporaryFile() as large:
         small.truncate(2 * PAGE)
         large.truncate(4 * PAGE)
-        start = libc.mmap(None, 2 * PAGE, mmap.MAP_SHARED, small.fileno())
+        # four pages reserved first, so that the space is never free between the two mappings:
+        # unmapped for a moment, another thread's allocation could land there and MAP_FIXED
+        # would then map over it (a crash of the test process, now and then)
+        start = libc.mmap(None, 4 * PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        assert libc.mmap(start, 2 * PAGE, mmap.MAP_SHARED | MAP_FIXED, small.fileno()) == start
         assert _raw(start, 2 * PAGE).numel() == 2 * PAGE  # known now: two pages
-        libc.munmap(start, 2 * PAGE)
-        # four pages of another file where the two were (the space is free: MAP_FIXED)
+        # four pages of another file where the two were (over them and the reserved rest)
         assert libc.mmap(start, 4 * PAGE, mmap.MAP_SHARED | MAP_FIXED, large.fileno()) == start
         try:
             assert _raw(start + 2 * PAGE, 2 * PAGE).numel() == 2 * PAGE
