@@ -32,24 +32,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import sglang_harness  # the import stand-ins, named in its docstring
-
-PAGE = 64
-HEADS, HEAD_DIM = 8, 128
-
-
-def _pool(layers: int, pages: int) -> Any:
-    import torch
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # type: ignore[import-not-found,unused-ignore]
-
-    return MHATokenToKVPool(
-        size=pages * PAGE, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS,
-        head_dim=HEAD_DIM, layer_num=layers, device="cpu", enable_memory_saver=False,
-    )  # fmt: skip
+from bench_sglang import HEAD_DIM, HEADS, PAGE, _pool  # the same pools as the hooks' benchmark
 
 
 def _ms(values: list[float]) -> dict[str, float]:
@@ -89,8 +76,8 @@ def main() -> None:
     sglang_harness.LAYERS = options.layers
     server_args = sglang_harness._server_args("prefill", port)
     decode_args = sglang_harness._server_args("decode", port)
-    prefill_pool = _pool(options.layers, options.pages)
-    decode_pool = _pool(options.layers, options.pages)
+    prefill_pool = _pool(options.layers, options.pages, HEADS)
+    decode_pool = _pool(options.layers, options.pages, HEADS)
     prefill = sglang_harness._manager(prefill_pool, "prefill", server_args, HEADS)
     decode = sglang_harness._manager(decode_pool, "decode", decode_args, HEADS)
     session = decode.get_session_id()
