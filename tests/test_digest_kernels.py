@@ -148,6 +148,42 @@ def test_each_kernel_gives_the_formulas_digest_in_either_page_order_read_in_plac
         assert safeview.digest(manifest, caches, blocks, num_tokens=50).values != expected
 
 
+def test_a_gathers_batches_the_short_last_one_too_are_multiplied_in_their_own_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``"int_mm_t"``, each batch of a CPU gather (the last, shorter than the others,
+    too: its lanes a buffer of their own, not a strided part of a larger one, which
+    ``torch._int_mm`` refuses) is multiplied straight from the gathered pages, never through
+    the general kernel's copy; and the digest is the widened kernel's, in head- and token-major
+    pages."""
+    if not _digest_torch._int_mm_exact(transposed=True):
+        pytest.skip("the transposed product is not exact on this CPU: it is never used here")
+    monkeypatch.setattr(_digest_torch, "_KERNELS", {True: "int_mm", False: "int_mm"})
+    monkeypatch.setattr(_digest_torch, "_TRANSPOSED", {True: True, False: True})
+    content = _content(layers=2, positions=50, heads=2, size=64, dtype=torch.bfloat16, seed=93)
+    general = _digest_torch._blocks_times_r
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        general(*args, **kwargs)  # type: ignore[arg-type]
+
+    for layout in ("LBHNC", "LBNHC"):
+        side = _side(content, tp=1, tokens=4, layout=layout, heads=2, seed=94)
+        manifest, caches = side.manifests[0], side.caches[0]
+        page = manifest.layers[next(iter(manifest.layers))].page_bytes
+        monkeypatch.setattr(_digest_torch, "_CHUNK_BYTES", 3 * page)  # batches of 3 pages
+        assert len(side.blocks) % 3  # a last batch shorter than the others
+        calls.clear()
+        with monkeypatch.context() as held:
+            held.setattr(_digest_torch, "_blocks_times_r", counted)
+            found = safeview.digest(manifest, caches, side.blocks, num_tokens=50)
+        assert calls == [], layout
+        with monkeypatch.context() as held:
+            held.setattr(_digest_torch, "_KERNELS", {True: "widen", False: "widen"})
+            assert found == safeview.digest(manifest, caches, side.blocks, num_tokens=50)
+
+
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from flags
 def test_a_digest_with_onednn_off_takes_the_widened_kernel_and_the_formulas_value(
     monkeypatch: pytest.MonkeyPatch,
@@ -263,13 +299,15 @@ def test_the_int8_kernel_reads_large_and_strided_views_through_a_bounded_kept_bu
     assert stage.numel() <= max(_digest_torch._CHUNK_BYTES, 64 * 1152)  # a batch, or one page
 
 
+@pytest.mark.parametrize("in_place", [False, True])  # the one run gathered too, or read in place
 @pytest.mark.parametrize("row", [64, 31, 132])  # spans of 8-byte words, and not
 def test_scattered_blocks_gathered_as_words_or_bytes_digest_as_the_same_blocks_in_one_run(
-    row: int,
+    row: int, in_place: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request's blocks scattered over the cache (gathered, as 8-byte words where the pages
     fall on them, else as bytes) digest as the same pages copied in request order into one run
-    of blocks (read in place): the same meaning, whatever the path."""
+    of blocks (on CPU gathered as well, or read in place as on a GPU): the same meaning,
+    whatever the path."""
     generator = torch.Generator().manual_seed(row)
     blocks, heads, tokens = 40, 2, 3
     cache = torch.randint(-128, 128, (blocks, heads, tokens, 2 * row), dtype=torch.int8,
@@ -285,6 +323,7 @@ def test_scattered_blocks_gathered_as_words_or_bytes_digest_as_the_same_blocks_i
     gathered = safeview.digest(
         safeview.describe({"l0": cache}, axes=axes, topology=topology), {"l0": cache}, ids
     )
+    monkeypatch.setattr(_digest_torch, "_GATHER_ON_CPU", not in_place)
     read = safeview.digest(
         safeview.describe({"l0": in_order}, axes=axes, topology=topology),
         {"l0": in_order},
