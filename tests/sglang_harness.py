@@ -18,7 +18,8 @@ With ``SAFEVIEW_HARNESS_INSTALL=1`` the process calls ``safeview.sglang.install(
 SGLang's plugin loader would. Per case (``tests/test_sglang_digest.py``): ``num_tokens`` (P's
 sender says the request's tokens), ``decode_policy`` (D's manager made under that policy),
 ``corrupt`` (one byte of D rank 0's received pages changed once the transfer is done and
-before SGLang's receiver reports it: ``_corrupt_when_done``); ``SAFEVIEW_HARNESS_FRAMES=1``:
+before SGLang's receiver reports it: ``_corrupt_when_done``), ``digest_fault`` (P's digest of
+the room lost on the way, or never made: ``_digest_fault``); ``SAFEVIEW_HARNESS_FRAMES=1``:
 D reports the first frame of every message its decode thread was offered.
 
 What stands in for what SGLang would have (nothing else is changed):
@@ -338,6 +339,8 @@ def prefill(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
             else:
                 _pattern(pool, pages)
             result["sent"] = _page_bytes(pool, pages)
+            if case.get("digest_fault"):
+                _digest_fault(case["digest_fault"], room)
             sender.init(len(pages), 0)
             if case.get("num_tokens"):  # the request's tokens, as SGLang's prefill says them
                 sender.send(np.array(pages, dtype=np.int32), num_kv_tokens=case["num_tokens"])
@@ -352,6 +355,34 @@ def prefill(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
     time.sleep(1.0)  # let D read the last status
     sys.stdout.flush()
     os._exit(0)
+
+
+def _digest_fault(fault: str, room: int) -> None:
+    """``digest_fault``, on P's side and for ``room`` only: ``"lost"``, P's digest message of
+    the room never leaves P (as if the network dropped it); ``"unmade"``, P notes none of the
+    room's pages as SGLang hands them to its transfer, so it has no digest to send and sends
+    D its reason instead."""
+    from safeview.sglang import _digest
+
+    mine = str(room).encode("ascii")
+    if fault == "lost":
+        send = _digest._send
+
+        def dropped(manager: Any, host: str, port: int, frames: list[bytes]) -> None:
+            if frames[:2] != [_digest.DIGEST_FRAME, mine]:
+                send(manager, host, port, frames)
+
+        _digest._send = dropped
+    elif fault == "unmade":
+        note = _digest._note_chunk
+
+        def unnoted(manager: Any, at: int, *args: Any) -> None:
+            if at != room:
+                note(manager, at, *args)
+
+        _digest._note_chunk = unnoted
+    else:
+        raise ValueError(f"digest_fault {fault!r}")
 
 
 def _reason(party: Any) -> str:

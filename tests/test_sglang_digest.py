@@ -50,6 +50,8 @@ EQUAL: list[dict[str, Any]] = [
     {"name": "tokens", "num_tokens": 7},  # the last page holds 3 of the request's 7 tokens
     {"name": "corrupt_strict", "corrupt": [3, 1, 37]},
     {"name": "corrupt_warn", "corrupt": [3, 1, 37], "decode_policy": "warn"},
+    {"name": "digest_lost", "digest_fault": "lost"},  # P's digest message never arrives
+    {"name": "digest_unmade", "digest_fault": "unmade"},  # P has none: it sends its reason
 ]
 for _case in EQUAL:
     _case.update(prefill={}, decode={}, src_pages=[1, 2], dst_pages=[3, 5])
@@ -71,8 +73,10 @@ def test_equal_layouts_agree_and_a_byte_changed_after_the_transfer_fails_the_roo
         ("digest_checked", "agree", "2"),
         ("digest_mismatch", "mismatch", "3"),
         ("digest_mismatch", "mismatch", "4"),
+        ("digest_checked", "not_judged", "5"),
+        ("digest_checked", "not_judged", "6"),
     ], verdicts
-    assert [e["num_tokens"] for e in verdicts] == [8, 7, 8, 8]
+    assert [e["num_tokens"] for e in verdicts] == [8, 7, 8, 8, None, None]
     assert (verdicts[0]["layers"], verdicts[0]["heads"]) == (2, 8)  # 2 layers x 4 heads
     assert verdicts[0]["remote_engine"].startswith("sglang-prefill@127.0.0.1:")
     # one byte changed in D's pool after the transfer: under strict the room fails at D as
@@ -83,7 +87,7 @@ def test_equal_layouts_agree_and_a_byte_changed_after_the_transfer_fails_the_roo
     assert "safeview: request 3: layers.1: head 1 read differently" in reason, reason
     assert "first tokens that differ are 0 to 7" in reason, reason  # one run of 16 tokens
     assert decode["corrupt_strict"]["received"] != prefill["corrupt_strict"]["sent"]
-    said = [(e["layer"], e["layer_heads"], e["action"]) for e in verdicts[2:]]
+    said = [(e["layer"], e["layer_heads"], e["action"]) for e in verdicts[2:4]]
     # under warn (the second): the event, and the room goes on as SGLang alone would take it
     assert said == [("layers.1", [1], "refused"), ("layers.1", [1], "none")], said
     warned = verdicts[3]
@@ -91,6 +95,21 @@ def test_equal_layouts_agree_and_a_byte_changed_after_the_transfer_fails_the_roo
     assert decode["corrupt_warn"]["state"] == "Success"
     sent, got = prefill["corrupt_warn"]["sent"], decode["corrupt_warn"]["received"]
     assert [a == b for a, b in zip(sent, got)] == [True, True, True, False]
+    # P's digest lost on the way: D holds the room back at most 5 s, then lets it go on
+    # unjudged, saying which P rank's digest did not come; P without a digest sends its
+    # reason, which D's event gives. Both rooms moved byte for byte and succeed.
+    for name in ("digest_lost", "digest_unmade"):
+        assert prefill[name]["state"] == decode[name]["state"] == "Success", name
+        assert decode[name]["received"] == prefill[name]["sent"], name
+    lost, unmade = verdicts[4]["reason"], verdicts[5]["reason"]
+    assert re.fullmatch(
+        r"P's digest of prefill rank 127\.0\.0\.1:\d+ did not come within 5 s", lost
+    ), lost
+    assert re.fullmatch(
+        r"P could not digest the room \(127\.0\.0\.1:\d+: P noted none of the room's "
+        r"pages\)",
+        unmade,
+    ), unmade
     # P's side says nothing of the digests: it sends, D judges
     assert not _digest_events(prefill)
 
