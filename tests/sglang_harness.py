@@ -376,9 +376,9 @@ def _digest_fault(fault: str, room: int) -> None:
     elif fault == "unmade":
         note = _digest._note_chunk
 
-        def unnoted(manager: Any, at: int, *args: Any) -> None:
+        def unnoted(manager: Any, at: int, pages: Any, index_slice: Any, tokens: Any) -> None:
             if at != room:
-                note(manager, at, *args)
+                note(manager, at, pages, index_slice, tokens)
 
         _digest._note_chunk = unnoted
     else:
