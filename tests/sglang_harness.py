@@ -376,9 +376,11 @@ def _digest_fault(fault: str, room: int) -> None:
     elif fault == "unmade":
         note = _digest._note_chunk
 
-        def unnoted(manager: Any, at: int, pages: Any, index_slice: Any, tokens: Any) -> None:
-            if at != room:
-                note(manager, at, pages, index_slice, tokens)
+        faulty = room
+
+        def unnoted(manager: Any, room: int, pages: Any, index_slice: Any, tokens: Any) -> None:
+            if room != faulty:
+                note(manager, room, pages, index_slice, tokens)
 
         _digest._note_chunk = unnoted
     else:
