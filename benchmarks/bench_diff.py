@@ -13,6 +13,12 @@
 3. Parts (issue 37): ``describe`` of 100 per-token-head layers with their parts against the
    same without (target: at most 1.2x), and ``diff`` of two 1,000-layer manifests with parts
    whose scales differ (target: under a second).
+4. Parallelism (issue 36): ``describe`` of 100 layers with context parallelism and a pipeline
+   stage in the topology (DCP 4, PCP 2, interleave 8, stage 2 of 2 holding global layers 100
+   to 199) against the same without (target: at most 1.1x); the wire form of that 100-layer
+   manifest (target: under 4 KB); ``diff`` of two 1,000-layer manifests with context
+   parallelism whose interleaves differ (every layer's tokens placed otherwise: 1,000
+   findings; target: under a second).
 
 Each figure is the median over rounds. Run: python benchmarks/bench_diff.py [--rounds 21]
 """
@@ -136,6 +142,7 @@ def main() -> int:
         verdicts.append((f"{what} / guarded registration, 100 layers", share, 0.05))
     shutil.rmtree(folder, ignore_errors=True)
     verdicts += _parts_figures(rounds)
+    verdicts += _parallel_figures(rounds)
 
     failed = 0
     for name, figure, limit in verdicts:
@@ -197,6 +204,71 @@ def _parts_figures(rounds: int) -> list[tuple[str, float, float]]:
     return [
         ("describe with parts / without, 100 layers", ratio, 1.2),
         ("diff 1,000 layers with parts, in memory (s)", seconds, 1.0),
+    ]
+
+
+
+def _parallel_figures(rounds: int) -> list[tuple[str, float, float]]:
+    """Issue 36: ``describe`` with context parallelism and a pipeline stage against without, the
+    wire form of such a 100-layer manifest, and ``diff`` of two 1,000-layer manifests whose
+    context-parallel interleaves differ."""
+    from safeview.manifest import diff as diff_module
+    from safeview.manifest.wire import to_wire
+
+    page = HEADS * TOKENS * 2 * HEAD_SIZE * 2
+    raw = torch.empty(1000 * BLOCKS * page, dtype=torch.int8, device="meta")
+    caches = {}
+    for i in range(1000):
+        flat = torch.as_strided(raw, (BLOCKS, page), (page, 1), i * BLOCKS * page)
+        caches[f"model.layers.{i}.self_attn"] = flat.view(torch.bfloat16).view(
+            BLOCKS, HEADS, TOKENS, 2 * HEAD_SIZE
+        )
+    hundred = dict(list(caches.items())[:100])
+    plain_topology = {"tp_rank": 0, "tp_size": 1, "total_kv_heads": HEADS}
+    cp = {"dcp_size": 4, "dcp_rank": 1, "pcp_size": 2, "pcp_rank": 1,
+          "cp_kv_cache_interleave_size": 8}  # fmt: skip
+    staged = {**plain_topology, **cp, "pp_size": 2, "pp_rank": 1,
+              "stage_layers": list(range(100, 200))}  # fmt: skip
+
+    def plain() -> object:
+        return safeview.describe(hundred, axes=vllm_axes(), topology=plain_topology)
+
+    def parallel() -> object:
+        return safeview.describe(hundred, axes=vllm_axes(), topology=staged)
+
+    plain(), parallel()
+    ratios = []
+    for _ in range(rounds * 4):
+        start = time.perf_counter()
+        plain()
+        middle = time.perf_counter()
+        parallel()
+        ratios.append((time.perf_counter() - middle) / (middle - start))
+    ratio = statistics.median(ratios)
+    print(
+        f"  describe of 100 layers with context parallelism and a stage / without: {ratio:.2f}x "
+        f"({rounds * 4} rounds)"
+    )
+    wire = to_wire(safeview.describe(hundred, axes=vllm_axes(), topology=staged))
+    print(f"  wire form of that 100-layer manifest: {len(wire):,} bytes")
+    sender = safeview.describe(caches, axes=vllm_axes(), topology={**plain_topology, **cp})
+    other = {**plain_topology, **cp, "cp_kv_cache_interleave_size": 16}
+    receiver = safeview.describe(caches, axes=vllm_axes(), topology=other)
+    assert len(safeview.diff(sender, receiver).findings) == 1000  # each layer: tokens elsewhere
+
+    def compared() -> object:
+        diff_module._CACHE.clear()  # each round pays for its page comparison
+        return safeview.diff(sender, receiver)
+
+    seconds = median_s(compared, rounds)
+    print(
+        "  diff of two 1,000-layer manifests with context parallelism, interleaves differ: "
+        f"{seconds * 1e3:.1f} ms"
+    )
+    return [
+        ("describe with context parallelism and a stage / without, 100 layers", ratio, 1.1),
+        ("wire bytes, 100 layers with context parallelism and a stage", len(wire), 4096),
+        ("diff 1,000 layers with context parallelism, in memory (s)", seconds, 1.0),
     ]
 
 

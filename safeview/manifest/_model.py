@@ -569,6 +569,8 @@ def _stage_layers_checked(topology: Topology, names: list[str], groups: list[Any
         raise ValueError(
             f"topology.stage_layers names {len(indices)} layers; the manifest holds {len(names)}"
         )
+    if len(set(indices)) == len(indices):
+        return  # no index twice, in any group
     seen: dict[tuple[Any, int], str] = {}
     for name, group, index in zip(names, groups, indices):
         other = seen.setdefault((group, index), name)
