@@ -207,7 +207,6 @@ def _parts_figures(rounds: int) -> list[tuple[str, float, float]]:
     ]
 
 
-
 def _parallel_figures(rounds: int) -> list[tuple[str, float, float]]:
     """Issue 36: ``describe`` with context parallelism and a pipeline stage against without, the
     wire form of such a 100-layer manifest, and ``diff`` of two 1,000-layer manifests whose
