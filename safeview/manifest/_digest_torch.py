@@ -616,15 +616,16 @@ def _weighted_sums(values: torch.Tensor, plan: _Plan, keys: torch.Tensor) -> tor
     and head the lanes of its rows (``_blocks_times_r``'s, as float64, exact), rows in the order
     of ``keys`` (the plan's keys, in the request's order or a gather's). One float64 product for
     every entry and head, with the keys' 16-bit halves, cut where its sums would pass ``2**53``:
-    a few large operations rather than a few per layer."""
+    a few large operations rather than a few per layer. ``keys`` transposed, ``(4, rows)``,
+    on the left: the product's short side first is read 2x to 2.5x faster on CPU (MKL) than the
+    values times a 4-column right-hand side."""
     entries, heads = values.shape[:2]
     values = values.reshape(entries * heads, -1)
-    keys = keys.reshape(-1, 2 * LANES)
-    total = torch.zeros(entries * heads, 2 * LANES, dtype=torch.int64, device=values.device)
+    total = torch.zeros(2 * LANES, entries * heads, dtype=torch.int64, device=values.device)
     for start in range(0, values.shape[1], plan.terms):
         end = start + plan.terms
-        total += (values[:, start:end] @ keys[start:end]).to(torch.int64) % PRIME
-    total = (total % PRIME).view(entries, heads, 2, LANES)
+        total += (keys[:, start:end] @ values[:, start:end].t()).to(torch.int64) % PRIME
+    total = (total.t() % PRIME).reshape(entries, heads, 2, LANES)
     return (total[:, :, 0] + total[:, :, 1] * _SPLIT) % PRIME
 
 
@@ -752,6 +753,7 @@ def _plan_sums(
     else:  # values (entries, heads, rows, post, lanes)
         by_head = lanes.view(parts, rows, heads, plan.post, LANES).permute(0, 2, 1, 3, 4)
         shape_tail = (rows, plan.post, LANES)
+    keys_t = keys.reshape(-1, 2 * LANES).t().contiguous()  # (4, values of one entry and head)
     tokens = _TokenSums(row_keys, run_of_row, token_sums)
     for at in range(0, len(members), per_batch):
         batch = members[at : at + per_batch]
@@ -761,7 +763,7 @@ def _plan_sums(
             _layer_lanes(name, layer, tensor, runs, gather, plan, lanes)
             # as float64, head by head, while the lanes are in the core's cache
             values[index * parts : (index + 1) * parts].copy_(by_head)
-        sums = _weighted_sums(values, plan, keys).view(len(batch), parts, -1, LANES)
+        sums = _weighted_sums(values, plan, keys_t).view(len(batch), parts, -1, LANES)
         per_layer = (sums * outer % PRIME).sum(dim=1) % PRIME  # (layers, heads, lanes)
         found.extend(per_layer.unbind(0))
         layer_keys = torch.tensor(
