@@ -184,6 +184,40 @@ def test_a_gathers_batches_the_short_last_one_too_are_multiplied_in_their_own_bu
             assert found == safeview.digest(manifest, caches, side.blocks, num_tokens=50)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_pages_whose_rows_leave_gaps_digest_as_the_widened_kernel_reads_them(
+    in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page whose rows are not one matrix (each 64-byte row the first part of 80 bytes: a
+    gap after every row) goes through the general kernel's copy, gathered or read in place,
+    into a run of the layer's lanes: the digest is the widened kernel's."""
+    generator = torch.Generator().manual_seed(39)
+    cache = torch.randint(-128, 128, (40, 2, 3, 80), dtype=torch.int8, generator=generator)
+    cache = cache[..., :64]
+    assert not cache.is_contiguous()
+    axes = ("block", "head", "token", "kv|element")
+    topology = {"tp_rank": 0, "tp_size": 1, "total_kv_heads": 2}
+    manifest = safeview.describe({"l0": cache}, axes=axes, topology=topology)
+    ids = [int(b) for b in torch.randperm(40, generator=generator)[:17]]
+    if in_place:
+        monkeypatch.setattr(_digest_torch, "_GATHER_ON_CPU", False)
+        ids = list(range(3, 20))
+    general = _digest_torch._blocks_times_r
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        general(*args, **kwargs)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as held:
+        held.setattr(_digest_torch, "_blocks_times_r", counted)
+        found = safeview.digest(manifest, {"l0": cache}, ids)
+    assert calls  # the general kernel ran
+    with monkeypatch.context() as held:
+        held.setattr(_digest_torch, "_KERNELS", {True: "widen", False: "widen"})
+        assert found == safeview.digest(manifest, {"l0": cache}, ids)
+
+
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from flags
 def test_a_digest_with_onednn_off_takes_the_widened_kernel_and_the_formulas_value(
     monkeypatch: pytest.MonkeyPatch,
