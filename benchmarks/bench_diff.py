@@ -53,6 +53,20 @@ def median_s(fn: Callable[[], object], rounds: int) -> float:
     return statistics.median(times)
 
 
+def median_ratio(base: Callable[[], object], other: Callable[[], object], rounds: int) -> float:
+    """The median over ``rounds`` of ``other``'s time over ``base``'s, the two run one after the
+    other in each round (noise that hits a whole round cancels), after one call of each."""
+    base(), other()
+    ratios = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        base()
+        middle = time.perf_counter()
+        other()
+        ratios.append((time.perf_counter() - middle) / (middle - start))
+    return statistics.median(ratios)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=21)
@@ -180,15 +194,7 @@ def _parts_figures(rounds: int) -> list[tuple[str, float, float]]:
     def with_parts() -> object:
         return safeview.describe(hundred, axes=vllm_axes(), parts=parts)
 
-    plain(), with_parts()
-    ratios = []
-    for _ in range(rounds * 4):
-        start = time.perf_counter()
-        plain()
-        middle = time.perf_counter()
-        with_parts()
-        ratios.append((time.perf_counter() - middle) / (middle - start))
-    ratio = statistics.median(ratios)
+    ratio = median_ratio(plain, with_parts, rounds * 4)
     print(f"  describe of 100 layers with parts / without: {ratio:.2f}x ({rounds * 4} rounds)")
     sender = safeview.describe(caches, axes=vllm_axes(), parts=parts)
     other = [parts[0], {**parts[1], "dtype": "int32"}]
@@ -235,15 +241,7 @@ def _parallel_figures(rounds: int) -> list[tuple[str, float, float]]:
     def parallel() -> object:
         return safeview.describe(hundred, axes=vllm_axes(), topology=staged)
 
-    plain(), parallel()
-    ratios = []
-    for _ in range(rounds * 4):
-        start = time.perf_counter()
-        plain()
-        middle = time.perf_counter()
-        parallel()
-        ratios.append((time.perf_counter() - middle) / (middle - start))
-    ratio = statistics.median(ratios)
+    ratio = median_ratio(plain, parallel, rounds * 4)
     print(
         f"  describe of 100 layers with context parallelism and a stage / without: {ratio:.2f}x "
         f"({rounds * 4} rounds)"
