@@ -578,13 +578,8 @@ def _placement_checked(topology: Topology, entries: list[tuple[str, Layer, int]]
     layer, none twice in a group; an interleave that divides every block), for a manifest
     built without validation; ``ManifestError`` naming the field."""
     try:
-        indices = topology.stage_layers
-        if indices is not None and (
-            len(indices) != len(entries) or len(set(indices)) != len(indices)
-        ):  # an index given twice (allowed in two groups) or a count that is not the layers'
-            _stage_layers_checked(
-                topology, [name for name, _, _ in entries], [t.group for _, t, _ in entries]
-            )
+        named = ((name, template.group) for name, template, _ in entries)
+        _stage_layers_checked(topology, len(entries), named)
         if topology.cp_size > 1:
             seen: set[int] = set()
             for name, template, _ in entries:

@@ -555,24 +555,28 @@ def _stage_checked(topology: Topology, layers: Mapping[str, Layer]) -> None:
     """The topology against the layers it describes: ``stage_layers`` gives one global index
     per layer, none twice within one KV-cache group; under context parallelism the interleave
     divides every layer's block tokens (vLLM: ``block_size % cp_kv_cache_interleave_size``)."""
-    _stage_layers_checked(topology, list(layers), [layer.group for layer in layers.values()])
+    named = ((name, layer.group) for name, layer in layers.items())
+    _stage_layers_checked(topology, len(layers), named)
     if topology.cp_size > 1:
         for name, layer in layers.items():
             _interleave_checked(topology, name, layer.size_of("token"), layer.kind)
 
 
-def _stage_layers_checked(topology: Topology, names: list[str], groups: list[Any]) -> None:
+def _stage_layers_checked(topology: Topology, count: int, named: Iterable[tuple[str, Any]]) -> None:
+    """``stage_layers`` against the ``count`` layers it describes: one index each, none twice
+    within one KV-cache group. ``named``: each layer's name and group, in order, read only
+    where an index is given twice (a lazy iterable: most stages repeat none)."""
     indices = topology.stage_layers
     if indices is None:
         return
-    if len(indices) != len(names):
+    if len(indices) != count:
         raise ValueError(
-            f"topology.stage_layers names {len(indices)} layers; the manifest holds {len(names)}"
+            f"topology.stage_layers names {len(indices)} layers; the manifest holds {count}"
         )
     if len(set(indices)) == len(indices):
         return  # no index twice, in any group
     seen: dict[tuple[Any, int], str] = {}
-    for name, group, index in zip(names, groups, indices):
+    for (name, group), index in zip(named, indices):
         other = seen.setdefault((group, index), name)
         if other != name:
             raise ValueError(
