@@ -820,3 +820,20 @@ def test_a_fetch_still_waiting_for_p_never_holds_up_the_hosts_exit() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "exiting"
+
+
+def test_a_meanings_key_is_the_same_kept_or_made_again_and_the_kept_ones_are_bounded() -> None:
+    """``type_key`` keeps the key of a meaning it has not in its table (a layer's parts), up to
+    4,096 of them; past that it lets the kept ones go (torch's own dtypes stay) and makes them
+    again, the same keys."""
+    from safeview.manifest import _digest_model
+
+    meaning = "float8_e4m3fn|data:float8_e4m3fn|scale:float32:token_head"
+    first = [_digest_model.type_key(meaning, lane) for lane in range(2)]
+    for index in range(4200):
+        _digest_model.type_key(f"test-meaning-{index}", 0)
+    assert len(_digest_model._TYPE_KEYS) <= len(DTYPE_ITEMSIZE) + 4097
+    assert all(name in _digest_model._TYPE_KEYS for name in DTYPE_ITEMSIZE)
+    again = [_digest_model.type_key(meaning, lane) for lane in range(2)]
+    assert again == first
+    assert _digest_model.type_key("float16", 0) != _digest_model.type_key("bfloat16", 0)

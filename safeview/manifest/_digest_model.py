@@ -113,9 +113,15 @@ _TYPE_KEYS = {
 
 def type_key(dtype: str, lane: int) -> int:
     """An element type's key (torch's name: ``float8_e4m3fn``), the term a layer's values add
-    for it: the same bytes under two element types give two values, whatever the bytes."""
+    for it: the same bytes under two element types give two values, whatever the bytes. Other
+    meanings (a layer's parts: ``layer_meaning``) are keyed once and kept, up to 4,096."""
     found = _TYPE_KEYS.get(dtype)
-    return found[lane] if found is not None else _name_key(dtype, "dtype", lane)
+    if found is None:
+        if len(_TYPE_KEYS) > len(DTYPE_ITEMSIZE) + 4096:
+            for name in [n for n in _TYPE_KEYS if n not in DTYPE_ITEMSIZE]:
+                _TYPE_KEYS.pop(name, None)
+        found = _TYPE_KEYS[dtype] = tuple(_name_key(dtype, "dtype", n) for n in range(LANES))
+    return found[lane]
 
 
 _MEANING_FIELDS = ("name", "role", "dtype", "granularity", "group_elements", "group_tokens",

@@ -871,9 +871,6 @@ def _head_keys(head: int) -> tuple[int, ...]:
     return found
 
 
-_TYPE_KEYS: dict[str, tuple[int, ...]] = {}
-
-
 def _values(
     layers: list[tuple[str, Layer, tuple[int, ...]]], sums: torch.Tensor, typed: bool
 ) -> dict[str, dict[int, int]]:
@@ -886,15 +883,11 @@ def _values(
     head_keys, type_keys, layer_keys = [], [], []
     for name, layer, heads in layers:
         meaning = layer_meaning(layer)
-        found = _TYPE_KEYS.get(meaning)
-        if found is None:
-            if len(_TYPE_KEYS) > 4096:
-                _TYPE_KEYS.clear()
-            found = _TYPE_KEYS[meaning] = tuple(type_key(meaning, n) for n in range(LANES))
+        typed_as = tuple(type_key(meaning, n) if typed else 0 for n in range(LANES))
         keys = tuple(_layer_key(name, lane) for lane in range(LANES))
         for head in heads:
             head_keys.append(_head_keys(head))
-            type_keys.append(found if typed else (0,) * LANES)
+            type_keys.append(typed_as)
             layer_keys.append(keys)
     lanes = sums * torch.tensor(head_keys, dtype=torch.int64) % PRIME
     lanes = (lanes + torch.tensor(type_keys, dtype=torch.int64)) % PRIME
