@@ -372,3 +372,54 @@ def test_scattered_blocks_gathered_as_words_or_bytes_digest_as_the_same_blocks_i
             sorted(ids),
         ).values["l0"]
     )  # the blocks' order is meaning
+
+
+@pytest.mark.parametrize("kernel", ["int_mm", "int_mm_t", "widen"])
+def test_sums_taken_block_by_block_are_the_row_by_row_ones(
+    monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """Where each block's tokens in the request lie in one run of the token values, a plan's
+    weighted sums and token sums are taken block by block (``_block_sums``: one float64
+    product per block, then weighed by entry and added into the block's run), else row by row
+    (``_weighted_sums``, ``_TokenSums``). Both give one digest, values and token values, for
+    head- and token-major pages with K/V inside the page and outside it, scattered ids and
+    consecutive ones, a request that ends inside a block and one that ends blocks before the
+    last; a block of more tokens than a run takes the row-by-row sums, with the formula's
+    value."""
+    if kernel != "widen" and not _digest_torch._int_mm_exact(transposed=kernel == "int_mm_t"):
+        pytest.skip(f"{kernel} is not exact on this CPU: it is never used here")
+    base = "widen" if kernel == "widen" else "int_mm"
+    monkeypatch.setattr(_digest_torch, "_KERNELS", {True: base, False: base})
+    transposed = kernel == "int_mm_t"
+    monkeypatch.setattr(_digest_torch, "_TRANSPOSED", {True: transposed, False: transposed})
+    per_block = _digest_torch._block_sums
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> list[torch.Tensor]:
+        calls.append(1)
+        return per_block(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_digest_torch, "_block_sums", counted)
+    content = _content(layers=2, positions=50, heads=2, size=64, dtype=torch.bfloat16, seed=95)
+    for layout in ("LBHNC", "LBNHC", "NHD", "HND"):
+        side = _side(content, tp=1, tokens=4, layout=layout, heads=2, seed=96)
+        manifest, caches = side.manifests[0], side.caches[0]
+        for ids in (side.blocks, list(range(len(side.blocks)))):
+            for num_tokens in (50, 37):  # 13 blocks of 4: the last 3 past a request of 37
+                calls.clear()
+                found = safeview.digest(manifest, caches, ids, num_tokens=num_tokens)
+                assert calls, (layout, num_tokens)
+                with monkeypatch.context() as held:
+                    held.setattr(_digest_torch._Plan, "block_keys", lambda self, order: None)
+                    by_row = safeview.digest(manifest, caches, ids, num_tokens=num_tokens)
+                assert found == by_row, (layout, num_tokens)
+                assert found.tokens == by_row.tokens, (layout, num_tokens)
+                if ids is side.blocks:
+                    expected = _reference(content, num_tokens, heads=2)
+                    assert found.values == expected, (layout, num_tokens)
+    # blocks of 32 tokens against runs of 16 (a request of 50 tokens): row by row
+    side = _side(content, tp=1, tokens=32, layout="LBNHC", heads=2, seed=97)
+    calls.clear()
+    found = safeview.digest(side.manifests[0], side.caches[0], side.blocks, num_tokens=50)
+    assert calls == []
+    assert found.values == _reference(content, 50, heads=2)

@@ -10,10 +10,12 @@ product (``_cpu_kernel``); on CPU ``torch._int_mm`` reads a run of pages (or a s
 copied into a kept buffer 2 MiB at a time, faster than where they lie, and takes ``R``
 transposed on its left for rows of at most 1 KiB where that is exact and faster
 (``_row_kernel``: about twice as fast with VNNI), each lane's values then in a row of their
-own. Per page shape, for all
-its layers at once: the lanes times the position keys, summed per head, as one float64 product
-with the keys' 16-bit halves (exact: cut where a sum would pass ``2**53``), modulo ``PRIME``;
-the K/V, head, element type and layer keys on the few sums left. Part of the torch boundary
+own. Per page shape, for all its layers at once: the lanes times the position keys, summed per
+head, as float64 products with the keys' 16-bit halves (exact: cut where a sum would pass
+``2**53``), modulo ``PRIME``: one product per block where each block's tokens lie in one run of
+the token values (its sums give the layers' and, weighed by layer, the runs'), else one over
+all rows and one more for the runs; the K/V, head, element type and layer keys on the few sums
+left. Part of the torch boundary
 (tests/test_architecture.py).
 """
 
@@ -518,6 +520,8 @@ class _Plan:
         self.keys = _key_matrix(keys)
         # the keys and runs in a gather's order, once made
         self.gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.per_block: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.by_block: bool | None = None  # whether the sums are taken block by block
         self.steps: list[_Step] | None = None
         self.blocks = blocks
         self.rows_per_block = math.prod(self.shape_tail) // self.piece_bytes
@@ -559,6 +563,31 @@ class _Plan:
             )
             self.gathered = (keys, row_keys, run_of_row)
         return self.gathered
+
+    def block_keys(self, order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys of each block's rows as the right-hand side of one float64 product per
+        block (``(blocks, rows of one head * lanes, 2 * lanes)``, the rows in the values'
+        order: ``_block_values``) and each block's run of tokens (``runs`` where none of its
+        tokens is in the request), blocks in ``order``; ``None`` where a block's tokens
+        inside the request fall in more than one run (a block of more tokens than a run, or
+        context parallelism's interleaving) or its rows are more terms than one exact
+        product sums: then the sums are taken row by row (``_weighted_sums``,
+        ``_TokenSums``). Made once per call."""
+        if self.by_block is None:
+            keys, _, run_of_row = self.in_order(order)
+            blocks, width = self.blocks, self.pre * self.post * LANES
+            runs = run_of_row.view(blocks, -1)
+            inside = runs < self.runs
+            low = torch.where(inside, runs, self.runs).amin(dim=1)
+            high = torch.where(inside, runs, -1).amax(dim=1)
+            alike = bool(((high == low) | (high < 0)).all()) if blocks else False
+            self.by_block = alike and width <= self.terms
+            if self.by_block:
+                keys = keys.view(blocks, self.pre, self.post, LANES, 2 * LANES)
+                if self.lane_major:
+                    keys = keys.permute(0, 3, 1, 2, 4)
+                self.per_block = (keys.reshape(blocks, width, 2 * LANES).contiguous(), low)
+        return self.per_block
 
     def gather_steps(self, ids: torch.Tensor) -> list[_Step]:
         """The CPU gather's batches, made once per call for every layer of the plan. The
@@ -637,12 +666,16 @@ def _layer_lanes(
     gather: tuple[torch.Tensor, torch.Tensor | None] | None,
     plan: _Plan,
     out: torch.Tensor,
+    by_step: bool = False,
 ) -> None:
     """A layer's rows times ``R``, into ``out`` (int32 ``(outer parts, rows * lanes)``: one
     entry per K/V part outside the page, else one), rows in the request's order, or in a CPU
     gather's. ``gather``: on CPU (``_GATHER_ON_CPU``), or for more than ``_MAX_RUNS`` runs, the
     ids to gather pages by and, on CPU, the request position of each gathered block
-    (``_gather_order``)."""
+    (``_gather_order``). ``by_step`` (``"int_mm_t"`` on a CPU gather whose batches' rows are
+    each one matrix): ``out`` holds the batches' lanes one batch after another, each
+    ``(lanes, the batch's rows)`` and as long as the first batch's (``_step_lanes``), so that
+    the product writes them where they stay rather than into a buffer they are copied from."""
     nbytes = tensor.untyped_storage().nbytes()
     if _extent(layer) > nbytes:
         raise ArgumentError(
@@ -690,11 +723,23 @@ def _layer_lanes(
         # as fast)
         words = _as_words(whole)
         weights = _r_lanes(plan.piece_bytes) if plan.kernel == "int_mm_t" else None
-        for step in plan.gather_steps(ids_tensor):
+        steps = plan.gather_steps(ids_tensor)
+        for number, step in enumerate(steps):
             if words is not None and step.words is not None:
                 torch.index_select(words, 0, step.ids, out=step.words)
             else:
                 torch.index_select(whole, 0, step.ids, out=step.pages)
+            if by_step:  # every batch's rows one matrix (``_block_sums`` checked)
+                assert weights is not None
+                assert step.rows_t is not None
+                first = number * LANES * steps[0].count_rows
+                lanes = out[part, first : first + LANES * step.count_rows]
+                lanes = lanes.view(LANES, step.count_rows)
+                try:
+                    torch._int_mm(weights, step.rows_t, out=lanes)
+                except (RuntimeError, NotImplementedError):
+                    _blocks_times_r(step.rows, plan.piece_bytes, plan.kernel, lanes)
+                continue
             lanes = _rows_of(
                 into, step.first_row, step.first_row + step.count_rows, plan.lane_major
             )
@@ -741,11 +786,15 @@ def _plan_sums(
     per_entry = blocks * plan.rows_per_block * LANES
     per_batch = max(1, _BATCH_BYTES // max(8 * per_entry * parts, 1))
     device = members[0][2].device
-    keys, row_keys, run_of_row = plan.in_order(gather[1] if gather is not None else None)
+    order = gather[1] if gather is not None else None
     outer = torch.stack(plan.outer_keys).view(1, parts, 1, LANES)
+    per_block = plan.block_keys(order)
+    if per_block is not None:
+        return _block_sums(members, runs, gather, plan, per_block, outer, token_sums)
+    lanes = _scratch("lanes", (parts, per_entry), torch.int32, device)
+    keys, row_keys, run_of_row = plan.in_order(order)
     heads, rows = len(plan.heads), keys.shape[0]
     found: list[torch.Tensor] = []
-    lanes = _scratch("lanes", (parts, per_entry), torch.int32, device)
     if plan.lane_major:  # values (entries, heads, lanes, rows, post), keys in that order
         by_head = lanes.view(parts, LANES, rows, heads, plan.post).permute(0, 3, 1, 2, 4)
         shape_tail: tuple[int, ...] = (LANES, rows, plan.post)
@@ -776,6 +825,102 @@ def _plan_sums(
         )  # per entry (layer, K/V part) and lane
         tokens.add(values, weights, plan.lane_major)
     tokens.flush()
+    return found
+
+
+def _block_sums(
+    members: list[tuple[str, Layer, torch.Tensor]],
+    runs: list[tuple[int, int, int]],
+    gather: tuple[torch.Tensor, torch.Tensor | None] | None,
+    plan: _Plan,
+    per_block: tuple[torch.Tensor, torch.Tensor],
+    outer: torch.Tensor,
+    token_sums: torch.Tensor,
+) -> list[torch.Tensor]:
+    """``_plan_sums`` where each block's tokens in the request lie in one run
+    (``_Plan.block_keys``): per batch of layers, the values laid out block first (``(blocks,
+    entries, heads, rows of one head * lanes)``, each layer's copied there from its lanes as
+    float64), and per block one float64 product of its rows with their keys' halves (exact:
+    at most ``plan.terms`` terms). Per block, entry and head that gives the sum of the rows'
+    lanes times their keys; summed over blocks it is the weighted sums, and weighed by entry
+    and added into the block's run, the token sums: one small product for both, where
+    ``_weighted_sums`` and ``_TokenSums`` each read every value."""
+    keys, block_run = per_block
+    parts = len(plan.outer_offsets)
+    blocks, width = keys.shape[:2]
+    heads = len(plan.heads)
+    device = members[0][2].device
+    steps = None
+    if plan.lane_major and gather is not None and gather[1] is not None:
+        steps = plan.gather_steps(gather[0])
+        if any(step.rows_t is None for step in steps):
+            steps = None
+    if steps is not None:  # each batch's lanes where the product wrote them
+        chunk = steps[0].ids.shape[0]
+        size = len(steps) * chunk * plan.rows_per_block * LANES
+        lanes = _scratch("lanes", (parts, size), torch.int32, device)
+        sources = _step_lanes(lanes, plan, blocks, chunk)
+    else:
+        size = blocks * plan.rows_per_block * LANES
+        lanes = _scratch("lanes", (parts, size), torch.int32, device)
+        if plan.lane_major:  # lanes (parts, lanes, blocks, pre, heads, post)
+            shaped = lanes.view(parts, LANES, blocks, plan.pre, heads, plan.post)
+            sources = [(0, blocks, shaped.permute(2, 0, 4, 1, 3, 5))]
+        else:  # lanes (parts, blocks, pre, heads, post, lanes)
+            shaped = lanes.view(parts, blocks, plan.pre, heads, plan.post, LANES)
+            sources = [(0, blocks, shaped.permute(1, 0, 3, 2, 4, 5))]
+    per_batch = max(1, _BATCH_BYTES // max(8 * parts * blocks * plan.rows_per_block * LANES, 1))
+    found: list[torch.Tensor] = []
+    for at in range(0, len(members), per_batch):
+        batch = members[at : at + per_batch]
+        entries = len(batch) * parts
+        values = _scratch("values", (blocks, entries, heads, width), torch.float64, device)
+        for index, (name, layer, tensor) in enumerate(batch):
+            _layer_lanes(name, layer, tensor, runs, gather, plan, lanes, steps is not None)
+            for first, stop, source in sources:
+                part = values[first:stop, index * parts : (index + 1) * parts]
+                part.view(source.shape).copy_(source)
+        # (blocks, entries * heads, 4) -> per block, entry, head and lane, below 2**33
+        product = torch.bmm(values.view(blocks, entries * heads, width), keys)
+        halves = product.to(torch.int64).view(blocks, entries, heads, 2, LANES)
+        per_row = _fold(halves[:, :, :, 0] + _fold(halves[:, :, :, 1]) * _SPLIT)
+        sums = per_row.sum(dim=0) % PRIME  # (entries, heads, lanes)
+        sums = sums.view(len(batch), parts, heads, LANES)
+        found.extend(((sums * outer % PRIME).sum(dim=1) % PRIME).unbind(0))
+        layer_keys = torch.tensor(
+            [[_layer_key(name, lane) for lane in range(LANES)] for name, _, _ in batch],
+            dtype=torch.int64,
+            device=device,
+        )
+        weights = layer_keys.view(-1, 1, LANES) * outer.view(1, parts, LANES) % PRIME
+        # per block, head and lane: the entries' sums times their weights, into its run
+        weighed = _fold(per_row * weights.view(1, entries, 1, LANES)).sum(dim=1)
+        token_sums.index_add_(1, block_run, (weighed % PRIME).transpose(0, 1))
+        token_sums.remainder_(PRIME)
+    return found
+
+
+def _step_lanes(
+    lanes: torch.Tensor, plan: _Plan, blocks: int, chunk: int
+) -> list[tuple[int, int, torch.Tensor]]:
+    """Where ``_layer_lanes(by_step=True)`` left a layer's lanes (``lanes``: int32 ``(parts,
+    steps * lanes * chunk blocks' rows)``, each batch's ``(lanes, its rows)`` from the start of
+    its part), as ``(first block, block after the last, view)``: the full batches' lanes, then
+    the last, shorter one's, each view in ``_block_sums``' values order ``(blocks, parts, heads,
+    lanes, pre, post)`` (the blocks of full batches as ``(batches, chunk)``)."""
+    parts, heads = lanes.shape[0], len(plan.heads)
+    shape = (plan.pre, heads, plan.post)
+    per_step = LANES * chunk * plan.rows_per_block
+    full, last = divmod(blocks, chunk)
+    found = []
+    if full:
+        shaped = lanes[:, : full * per_step].view(parts, full, LANES, chunk, *shape)
+        found.append((0, full * chunk, shaped.permute(1, 3, 0, 5, 2, 4, 6)))
+    if last:
+        start = full * per_step
+        shaped = lanes[:, start : start + LANES * last * plan.rows_per_block]
+        shaped = shaped.view(parts, LANES, last, *shape)
+        found.append((full * chunk, blocks, shaped.permute(2, 0, 4, 1, 3, 5)))
     return found
 
 
