@@ -822,6 +822,40 @@ def test_a_fetch_still_waiting_for_p_never_holds_up_the_hosts_exit() -> None:
     assert done.stdout.strip() == "exiting"
 
 
+def test_the_keys_of_a_manifests_layers_are_kept_by_name_meaning_and_heads() -> None:
+    """A digest's per-head keys (the head's, the element type's, the layer's) are made once per
+    list of layers and kept (``_ROW_KEYS``): the same bytes under the same names but another
+    element type, or on a rank past context-parallel position 0 (no element type's key), get
+    other keys, not the kept ones; a digest with the keys kept is the one made afresh; at most
+    64 lists are kept."""
+    content = _content(layers=2, positions=24, heads=2, size=8, dtype=torch.float16, seed=40)
+    p = _side(content, tp=1, tokens=8, layout="NHD", heads=2, seed=41)
+    as_bf16 = {name: t.view(torch.bfloat16) for name, t in p.caches[0].items()}
+    other = describe(as_bf16, axes=LAYOUTS["NHD"], topology={"total_kv_heads": 2})
+    _digest_torch._ROW_KEYS.clear()
+    fresh = [
+        safeview.digest(m, c, p.blocks, num_tokens=24)
+        for m, c in ((p.manifests[0], p.caches[0]), (other, as_bf16))
+    ]
+    assert fresh[0].values != fresh[1].values  # the same bytes, another element type
+    assert len(_digest_torch._ROW_KEYS) == 2
+    kept = [
+        safeview.digest(m, c, p.blocks, num_tokens=24)
+        for m, c in ((other, as_bf16), (p.manifests[0], p.caches[0]))
+    ]
+    assert kept == fresh[::-1]
+    assert fresh[0].values == _reference(content, 24, heads=2)
+    layer = p.manifests[0].layers["model.layers.0.attn"]
+    sums = torch.ones(1, 2, dtype=torch.int64)
+    typed = _digest_torch._values([("a", layer, (0,))], sums, True)
+    untyped = _digest_torch._values([("a", layer, (0,))], sums, False)
+    assert typed != untyped
+    for index in range(70):
+        _digest_torch._values([(f"layer {index}", layer, (0,))], sums, True)
+    assert len(_digest_torch._ROW_KEYS) <= 64
+    assert _digest_torch._values([("a", layer, (0,))], sums, True) == typed
+
+
 def test_a_meanings_key_is_the_same_kept_or_made_again_and_the_kept_ones_are_bounded() -> None:
     """``type_key`` keeps the key of a meaning it has not in its table (a layer's parts), up to
     4,096 of them; past that it lets the kept ones go (torch's own dtypes stay) and makes them

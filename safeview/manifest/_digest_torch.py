@@ -1016,6 +1016,9 @@ def _head_keys(head: int) -> tuple[int, ...]:
     return found
 
 
+_ROW_KEYS: dict[tuple[Any, ...], torch.Tensor] = {}  # (typed, layers) -> (3, heads, lanes)
+
+
 def _values(
     layers: list[tuple[str, Layer, tuple[int, ...]]], sums: torch.Tensor, typed: bool
 ) -> dict[str, dict[int, int]]:
@@ -1024,19 +1027,26 @@ def _values(
     head's key, plus the key of what its bytes mean (``layer_meaning``: its element type, its
     parts'; ``typed``: on the rank at context-parallel position 0 only, so that the ranks'
     values add up to one), times the layer's key; the two lanes as one number. At once for
-    every layer."""
-    head_keys, type_keys, layer_keys = [], [], []
-    for name, layer, heads in layers:
-        meaning = layer_meaning(layer)
-        typed_as = tuple(type_key(meaning, n) if typed else 0 for n in range(LANES))
-        keys = tuple(_layer_key(name, lane) for lane in range(LANES))
-        for head in heads:
-            head_keys.append(_head_keys(head))
-            type_keys.append(typed_as)
-            layer_keys.append(keys)
-    lanes = sums * torch.tensor(head_keys, dtype=torch.int64) % PRIME
-    lanes = (lanes + torch.tensor(type_keys, dtype=torch.int64)) % PRIME
-    lanes = lanes * torch.tensor(layer_keys, dtype=torch.int64) % PRIME
+    every layer. The keys of one such list of layers (their names, meanings and heads) are
+    made once and kept (``_ROW_KEYS``): a manifest is digested request after request."""
+    described = (typed, tuple((name, layer_meaning(layer), heads) for name, layer, heads in layers))
+    keys = _ROW_KEYS.get(described)
+    if keys is None:
+        head_keys, type_keys, layer_keys = [], [], []
+        for name, meaning, heads in described[1]:
+            typed_as = tuple(type_key(meaning, n) if typed else 0 for n in range(LANES))
+            named = tuple(_layer_key(name, lane) for lane in range(LANES))
+            for head in heads:
+                head_keys.append(_head_keys(head))
+                type_keys.append(typed_as)
+                layer_keys.append(named)
+        keys = torch.tensor([head_keys, type_keys, layer_keys], dtype=torch.int64)
+        if len(_ROW_KEYS) >= 64:
+            _ROW_KEYS.clear()
+        _ROW_KEYS[described] = keys
+    lanes = sums * keys[0] % PRIME
+    lanes = (lanes + keys[1]) % PRIME
+    lanes = lanes * keys[2] % PRIME
     joined = ((lanes[:, 0] << 31) | lanes[:, 1]).tolist()
     result: dict[str, dict[int, int]] = {}
     at = 0
