@@ -385,13 +385,20 @@ def test_sums_taken_block_by_block_are_the_row_by_row_ones(
     head- and token-major pages with K/V inside the page and outside it, scattered ids and
     consecutive ones, a request that ends inside a block and one that ends blocks before the
     last; a block of more tokens than a run takes the row-by-row sums, with the formula's
-    value."""
+    value. The pages gathered on CPU a batch at a time, and as a GPU reads them (read in place
+    where a few runs, else gathered whole in the request's order)."""
     if kernel != "widen" and not _digest_torch._int_mm_exact(transposed=kernel == "int_mm_t"):
         pytest.skip(f"{kernel} is not exact on this CPU: it is never used here")
     base = "widen" if kernel == "widen" else "int_mm"
     monkeypatch.setattr(_digest_torch, "_KERNELS", {True: base, False: base})
     transposed = kernel == "int_mm_t"
     monkeypatch.setattr(_digest_torch, "_TRANSPOSED", {True: transposed, False: transposed})
+    for on_cpu in (True, False):
+        monkeypatch.setattr(_digest_torch, "_GATHER_ON_CPU", on_cpu)
+        _sums_alike(monkeypatch)
+
+
+def _sums_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     per_block = _digest_torch._block_sums
     calls: list[int] = []
 
