@@ -62,15 +62,19 @@ def sglang_version() -> str:
 
 class Buffer:
     """One tensor SGLang registers for transfer: its name in the manifest's terms
-    (``layers.3.k``), the tensor, and the bytes of one page of it (SGLang's ``item_len``)."""
+    (``layers.3.k``), the tensor, the bytes of one page of it (SGLang's ``item_len``), its
+    pages, and its place in its storage as read when the buffer was listed."""
 
-    __slots__ = ("item_bytes", "name", "pages", "tensor")
+    __slots__ = ("geometry", "item_bytes", "name", "pages", "tensor")
 
-    def __init__(self, name: str, tensor: Any, item_bytes: int, pages: int) -> None:
+    def __init__(
+        self, name: str, tensor: Any, item_bytes: int, pages: int, geometry: _torch.Geometry
+    ) -> None:
         self.name = name
         self.tensor = tensor
         self.item_bytes = item_bytes
         self.pages = pages
+        self.geometry = geometry
 
 
 def _layer_ids(pool: Any, count: int) -> list[int]:
@@ -81,12 +85,21 @@ def _layer_ids(pool: Any, count: int) -> list[int]:
 def _slot_geometry(name: str, tensor: Any, page_size: int) -> tuple[int, list[int], list[int]]:
     """``(pages, page shape, page strides)`` of a ``[slots, ...]`` buffer, in elements: a page is
     ``page_size`` consecutive slots (SGLang's NHD rows)."""
+    return _pages_of(_slots_geometry(name, tensor), page_size)
+
+
+def _slots_geometry(name: str, tensor: Any) -> _torch.Geometry:
+    """A ``[slots, ...]`` buffer's geometry; ``ArgumentError`` for anything else."""
     if not _torch.is_strided_tensor(tensor) or tensor.dim() < 2:
         raise ArgumentError(
             f"SGLang buffer {name!r} must be a [slots, ...] tensor; got "
             f"{type(tensor).__name__} {tuple(getattr(tensor, 'shape', ()))}"
         )
-    _, shape, strides, _ = _torch.geometry(tensor)
+    return _torch.geometry(tensor)
+
+
+def _pages_of(geometry: _torch.Geometry, page_size: int) -> tuple[int, list[int], list[int]]:
+    _, shape, strides, _ = geometry
     return int(shape[0]) // page_size, [page_size, *shape[1:]], [strides[0], *strides[1:]]
 
 
@@ -109,8 +122,10 @@ def pool_buffers(pool: Any) -> list[Buffer]:
         )
     found = []
     for name, tensor in named:
-        pages, _shape, strides = _slot_geometry(name, tensor, page_size)
-        found.append(Buffer(name, tensor, page_size * strides[0] * tensor.element_size(), pages))
+        geometry = _slots_geometry(name, tensor)
+        pages, _shape, strides = _pages_of(geometry, page_size)
+        item_bytes = page_size * strides[0] * geometry.itemsize
+        found.append(Buffer(name, tensor, item_bytes, pages, geometry))
     return found
 
 
@@ -313,11 +328,11 @@ def pool_memory_map(
             span = storages[facts.key] = StorageSpan(
                 f"storage{len(storages)}", facts.base, facts.nbytes, facts.device
             )
-        offset = _torch.byte_offset(buffer.tensor)
+        geometry = buffer.geometry
+        offset = geometry.byte_offset
         if whole_buffers:
             from safeview import _arith
 
-            geometry = _torch.geometry(buffer.tensor)
             extent = _arith.extent_bytes(0, geometry.shape, geometry.strides, geometry.itemsize)
             views.append(ViewSpan(buffer.name, span.name, offset, extent, extent, 1, buffer.name))
         else:

@@ -168,7 +168,7 @@ def _inside_buffers(rows: list[tuple[Any, Any]], buffers: list[Buffer]) -> bool:
         if type(address) is not int or type(length) is not int or length <= 0:
             return False
         facts = _torch.storage_facts(_torch.storage_of(buffer.tensor))
-        geometry = _torch.geometry(buffer.tensor)
+        geometry = buffer.geometry
         extent = _arith.extent_bytes(0, geometry.shape, geometry.strides, geometry.itemsize)
         start = facts.base + geometry.byte_offset
         if (
