@@ -567,7 +567,7 @@ class _Plan:
     def block_keys(self, order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The keys of each block's rows as the right-hand side of one float64 product per
         block (``(blocks, rows of one head * lanes, 2 * lanes)``, the rows in the values'
-        order: ``_block_values``) and each block's run of tokens (``runs`` where none of its
+        order: ``_block_sums``) and each block's run of tokens (``runs`` where none of its
         tokens is in the request), blocks in ``order``; ``None`` where a block's tokens
         inside the request fall in more than one run (a block of more tokens than a run, or
         context parallelism's interleaving) or its rows are more terms than one exact
@@ -781,7 +781,8 @@ def _plan_sums(
     layer's lanes made into one small buffer and copied from there, as float64 and head by
     head, into its batch's values; each batch (as many layers as ``_BATCH_BYTES`` holds) then
     weighed at once. Into ``token_sums`` (int64 ``(heads, runs + 1, lanes)``, the plan's
-    heads) each batch's sums per head and run of tokens (``_TokenSums``, once per plan)."""
+    heads) each batch's sums per head and run of tokens (``_TokenSums``, once per plan). Where
+    each block's tokens lie in one run, ``_block_sums`` instead (``_Plan.block_keys``)."""
     parts = len(plan.outer_offsets)
     per_entry = blocks * plan.rows_per_block * LANES
     per_batch = max(1, _BATCH_BYTES // max(8 * per_entry * parts, 1))
