@@ -854,6 +854,12 @@ def test_the_keys_of_a_manifests_layers_are_kept_by_name_meaning_and_heads() -> 
         _digest_torch._values([(f"layer {index}", layer, (0,))], sums, True)
     assert len(_digest_torch._ROW_KEYS) <= 64
     assert _digest_torch._values([("a", layer, (0,))], sums, True) == typed
+    # and at most _ROW_KEYS_BYTES: a list of more heads than that is used, not kept
+    many = tuple(range(_digest_torch._ROW_KEYS_BYTES // (3 * 2 * 8) + 1))
+    wide = torch.ones(len(many), 2, dtype=torch.int64)
+    found = _digest_torch._values([("a", layer, many)], wide, True)
+    assert found["a"][0] == typed["a"][0]
+    assert sum(t.nbytes for t in _digest_torch._ROW_KEYS.values()) <= _digest_torch._ROW_KEYS_BYTES
 
 
 def test_a_meanings_key_is_the_same_kept_or_made_again_and_the_kept_ones_are_bounded() -> None:

@@ -1018,6 +1018,8 @@ def _head_keys(head: int) -> tuple[int, ...]:
 
 
 _ROW_KEYS: dict[tuple[Any, ...], torch.Tensor] = {}  # (typed, layers) -> (3, heads, lanes)
+_ROW_KEYS_BYTES = 16 << 20  # at most 64 lists and this many bytes kept (1,000 layers of 8 heads:
+# 384 KB a list)
 
 
 def _values(
@@ -1029,7 +1031,7 @@ def _values(
     parts'; ``typed``: on the rank at context-parallel position 0 only, so that the ranks'
     values add up to one), times the layer's key; the two lanes as one number. At once for
     every layer. The keys of one such list of layers (their names, meanings and heads) are
-    made once and kept (``_ROW_KEYS``): a manifest is digested request after request."""
+    made once and kept (``_ROW_KEYS``, bounded): a manifest is digested request after request."""
     described = (typed, tuple((name, layer_meaning(layer), heads) for name, layer, heads in layers))
     keys = _ROW_KEYS.get(described)
     if keys is None:
@@ -1042,9 +1044,11 @@ def _values(
                 type_keys.append(typed_as)
                 layer_keys.append(named)
         keys = torch.tensor([head_keys, type_keys, layer_keys], dtype=torch.int64)
-        if len(_ROW_KEYS) >= 64:
+        kept = sum(t.nbytes for t in _ROW_KEYS.values())
+        if len(_ROW_KEYS) >= 64 or kept + keys.nbytes > _ROW_KEYS_BYTES:
             _ROW_KEYS.clear()
-        _ROW_KEYS[described] = keys
+        if keys.nbytes <= _ROW_KEYS_BYTES:
+            _ROW_KEYS[described] = keys
     lanes = sums * keys[0] % PRIME
     lanes = (lanes + keys[1]) % PRIME
     lanes = lanes * keys[2] % PRIME
