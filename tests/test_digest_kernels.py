@@ -114,6 +114,19 @@ def test_the_transposed_int8_kernel_gives_each_rows_exact_product_lane_by_lane(
         assert (_products(view, length) == own.numpy().T).all()
 
 
+def _hold_kernel(monkeypatch: pytest.MonkeyPatch, kernel: str) -> str:
+    """The digest held to ``kernel`` (``"int_mm"``, ``"int_mm_t"`` or ``"widen"``; the test
+    skipped where this CPU never uses it): ``_cpu_kernel``'s answer, which it returns, and
+    ``_row_kernel``'s."""
+    if kernel != "widen" and not _digest_torch._int_mm_exact(transposed=kernel == "int_mm_t"):
+        pytest.skip(f"{kernel} is not exact on this CPU: it is never used here")
+    base = "widen" if kernel == "widen" else "int_mm"
+    monkeypatch.setattr(_digest_torch, "_KERNELS", {True: base, False: base})
+    transposed = kernel == "int_mm_t"
+    monkeypatch.setattr(_digest_torch, "_TRANSPOSED", {True: transposed, False: transposed})
+    return base
+
+
 @pytest.mark.parametrize("kernel", ["int_mm", "int_mm_t", "widen"])
 def test_each_kernel_gives_the_formulas_digest_in_either_page_order_read_in_place_or_gathered(
     monkeypatch: pytest.MonkeyPatch, kernel: str
@@ -122,12 +135,7 @@ def test_each_kernel_gives_the_formulas_digest_in_either_page_order_read_in_plac
     the formula's value and the widened kernel's token values, head- and token-major pages,
     consecutive ids and scattered ones (gathered); rows longer than ``_TRANSPOSE_BYTES`` keep
     the 4-row groups."""
-    if kernel != "widen" and not _digest_torch._int_mm_exact(transposed=kernel == "int_mm_t"):
-        pytest.skip(f"{kernel} is not exact on this CPU: it is never used here")
-    base = "widen" if kernel == "widen" else "int_mm"
-    monkeypatch.setattr(_digest_torch, "_KERNELS", {True: base, False: base})
-    transposed = kernel == "int_mm_t"
-    monkeypatch.setattr(_digest_torch, "_TRANSPOSED", {True: transposed, False: transposed})
+    base = _hold_kernel(monkeypatch, kernel)
     assert _digest_torch._row_kernel(base, 256) == kernel
     assert _digest_torch._row_kernel(base, _digest_torch._TRANSPOSE_BYTES + 1) == base
     content = _content(layers=2, positions=50, heads=2, size=64, dtype=torch.bfloat16, seed=91)
@@ -387,12 +395,7 @@ def test_sums_taken_block_by_block_are_the_row_by_row_ones(
     last; a block of more tokens than a run takes the row-by-row sums, with the formula's
     value. The pages gathered on CPU a batch at a time, and as a GPU reads them (read in place
     where a few runs, else gathered whole in the request's order)."""
-    if kernel != "widen" and not _digest_torch._int_mm_exact(transposed=kernel == "int_mm_t"):
-        pytest.skip(f"{kernel} is not exact on this CPU: it is never used here")
-    base = "widen" if kernel == "widen" else "int_mm"
-    monkeypatch.setattr(_digest_torch, "_KERNELS", {True: base, False: base})
-    transposed = kernel == "int_mm_t"
-    monkeypatch.setattr(_digest_torch, "_TRANSPOSED", {True: transposed, False: transposed})
+    _hold_kernel(monkeypatch, kernel)
     for on_cpu in (True, False):
         monkeypatch.setattr(_digest_torch, "_GATHER_ON_CPU", on_cpu)
         _sums_alike(monkeypatch)
