@@ -466,8 +466,11 @@ class Finding:
         """The row's bytes lie (partly) in no storage of the registration: none at all
         (``no_storage``), past the end of the one it starts in (``past_end``: ``byte_offset``
         and ``extent_bytes`` in it, ``storage_nbytes``), on another device than the row names
-        (``device``), or past the last address, 2**64 - 1 (``wraps``: ``end_address``)."""
+        (``device``), or past the last address, 2**64 - 1 (``wraps``: ``end_address``).
+        ``layer``, the layer the row is meant for, is named in the message too."""
         what = row.describe(element)
+        if layer is not None:
+            what += f", meant for layer {layer!r},"
         overflow = None
         if reason == "past_end":
             assert byte_offset is not None
@@ -530,8 +533,11 @@ class Finding:
         being whole pages (``pages``), or pages of two views (``views``, one block each), or two
         storages (``storages``); a strided row's stride is not its view's
         ``block_stride_bytes`` (``stride``), or its elements need ``blocks`` (first and last)
-        past the view's ``num_blocks`` (``count``)."""
+        past the view's ``num_blocks`` (``count``). ``layer``, the layer the row is meant for,
+        is named in the message too."""
         what = row.describe(element)
+        if layer is not None:
+            what += f", meant for layer {layer!r},"
         covers = _covers(storage, byte_offset, extent_bytes)
         if reason == "gap":
             tail = f"byte {_n(gap_offset)} there lies in no page of any view (a gap or padding)"

@@ -16,7 +16,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import safeview._torch
 import safeview.manifest._model as model
+import safeview.sglang
 from safeview.errors import AddressError
 from safeview.manifest import Layer, Manifest
 from safeview.policy import Policy
@@ -191,3 +193,47 @@ def test_a_layer_made_without_its_checks_is_still_refused_in_a_manifest() -> Non
     forged = Layer.model_construct(**{**dict(layer), "chunk_bytes": layer.chunk_bytes + 2})
     with pytest.raises(ValidationError, match="chunk_bytes"):
         Manifest(layers={"layers.0": forged})
+
+
+class _Remembered(types.SimpleNamespace):
+    """A pool ``remember_pool`` can keep a weak reference to."""
+
+
+def test_a_registration_reads_each_buffer_once_for_its_manifest_and_its_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = _Remembered(**vars(_pool()))  # remember_pool keeps a weak reference
+    safeview.sglang.remember_pool(pool)
+    buffers = pool_buffers(pool)
+    kv_args = types.SimpleNamespace(
+        kv_data_ptrs=[int(b.tensor.data_ptr()) for b in buffers],
+        kv_data_lens=[int(b.tensor.nbytes) for b in buffers],
+        total_kv_head_num=HEADS,
+    )
+    manager = types.SimpleNamespace(
+        kv_args=kv_args, attn_tp_rank=0, attn_tp_size=1, disaggregation_mode="prefill",
+        local_ip="127.0.0.1", rank_port=9,
+    )  # fmt: skip
+    read: list[torch.Tensor] = []
+    real = safeview._torch.geometry
+
+    def counted(tensor: torch.Tensor) -> Any:
+        read.append(tensor)
+        return real(tensor)
+
+    monkeypatch.setattr(safeview._torch, "geometry", counted)
+    side = mooncake._side(manager)
+    mooncake.check_registration(manager, side)
+    assert len(read) == len(buffers) == 2 * LAYERS  # once each, not once per use
+    assert side.listed is None  # forgotten after the check: a later one reads them anew
+    mooncake.check_registration(manager, side)
+    assert len(read) == 4 * LAYERS
+    monkeypatch.setattr(safeview._torch, "geometry", real)
+    assert side.manifest is not None
+    alone = describe_pool(pool, topology=mooncake._topology(manager))
+    assert side.manifest.fingerprint == alone.fingerprint  # the same manifest as read alone
+    past = [*kv_args.kv_data_lens]
+    past[3] += 1
+    kv_args.kv_data_lens = past
+    with pytest.raises(AddressError, match=r"layers\.0\.v"):
+        mooncake.check_registration(manager, mooncake._side(manager))

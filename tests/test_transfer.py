@@ -515,6 +515,15 @@ def test_row_past_the_storage_and_row_past_the_address_space_are_outside_memory(
     [huge] = check_descriptors([(BASE, 8, 0, 2**62, 8)], packed(), policy="warn")
     assert huge.kind == "outside_memory"
     assert huge.element == 2  # BASE + 2 * 2**62 passes 2**64
+    assert "meant for layer" not in past.message  # no layer was named for the row
+    # a row meant for a layer says which, past the storage or across a gap
+    [named] = check_descriptors([(BASE + 3 * 96, 97)], packed(), layers=["mla.2"], policy="warn")
+    assert named.layer == "mla.2"
+    assert "(address 0x" in named.message
+    assert "meant for layer 'mla.2', needs bytes" in named.message
+    [gap] = check_descriptors([(BASE + 32, 64)], packed(), layers=["mla.0"], policy="warn")
+    assert gap.kind == "outside_view"
+    assert "meant for layer 'mla.0'," in gap.message
 
 
 def test_a_row_on_another_device_is_outside_memory() -> None:

@@ -63,29 +63,31 @@ def sglang_version() -> str:
 class Buffer:
     """One tensor SGLang registers for transfer: its name in the manifest's terms
     (``layers.3.k``), the tensor, the bytes of one page of it (SGLang's ``item_len``), its
-    pages, and its place in its storage as read when the buffer was listed."""
+    pages, and its place in its storage and that storage (``facts``: its address and length),
+    as read when the buffer was listed: each buffer is read once per listing."""
 
-    __slots__ = ("geometry", "item_bytes", "name", "pages", "tensor")
+    __slots__ = ("facts", "geometry", "item_bytes", "name", "pages", "tensor")
 
     def __init__(
-        self, name: str, tensor: Any, item_bytes: int, pages: int, geometry: _torch.Geometry
+        self,
+        name: str,
+        tensor: Any,
+        item_bytes: int,
+        pages: int,
+        geometry: _torch.Geometry,
+        facts: _torch.StorageFacts,
     ) -> None:
         self.name = name
         self.tensor = tensor
         self.item_bytes = item_bytes
         self.pages = pages
         self.geometry = geometry
+        self.facts = facts
 
 
 def _layer_ids(pool: Any, count: int) -> list[int]:
     start = getattr(pool, "start_layer", None) or 0
     return [int(start) + index for index in range(count)]
-
-
-def _slot_geometry(name: str, tensor: Any, page_size: int) -> tuple[int, list[int], list[int]]:
-    """``(pages, page shape, page strides)`` of a ``[slots, ...]`` buffer, in elements: a page is
-    ``page_size`` consecutive slots (SGLang's NHD rows)."""
-    return _pages_of(_slots_geometry(name, tensor), page_size)
 
 
 def _slots_geometry(name: str, tensor: Any) -> _torch.Geometry:
@@ -99,8 +101,28 @@ def _slots_geometry(name: str, tensor: Any) -> _torch.Geometry:
 
 
 def _pages_of(geometry: _torch.Geometry, page_size: int) -> tuple[int, list[int], list[int]]:
+    """``(pages, page shape, page strides)`` of a ``[slots, ...]`` buffer, in elements: a page is
+    ``page_size`` consecutive slots (SGLang's NHD rows)."""
     _, shape, strides, _ = geometry
     return int(shape[0]) // page_size, [page_size, *shape[1:]], [strides[0], *strides[1:]]
+
+
+def _named_tensors(pool: Any) -> list[tuple[str, Any]]:
+    """The tensors an SGLang pool registers for transfer, in the order of its
+    ``get_contiguous_buf_infos()``, each with its name; ``ArgumentError`` for a pool of another
+    kind."""
+    if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
+        ids = _layer_ids(pool, len(pool.k_buffer))
+        named = [(f"layers.{i}.k", t) for i, t in zip(ids, pool.k_buffer)]
+        named += [(f"layers.{i}.v", t) for i, t in zip(ids, pool.v_buffer)]
+        return named
+    if hasattr(pool, "kv_buffer"):
+        ids = _layer_ids(pool, len(pool.kv_buffer))
+        return [(f"layers.{i}", t) for i, t in zip(ids, pool.kv_buffer)]
+    raise ArgumentError(
+        f"{type(pool).__name__} is not an SGLang MHA or MLA token-to-KV pool "
+        "(no k_buffer/v_buffer, no kv_buffer)"
+    )
 
 
 def pool_buffers(pool: Any) -> list[Buffer]:
@@ -108,24 +130,14 @@ def pool_buffers(pool: Any) -> list[Buffer]:
     ``get_contiguous_buf_infos()`` (every K, then every V; an MLA pool's one per layer), named as
     ``describe_pool`` names the layers they belong to."""
     page_size = _page_size(pool)
-    if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
-        ids = _layer_ids(pool, len(pool.k_buffer))
-        named = [(f"layers.{i}.k", t) for i, t in zip(ids, pool.k_buffer)]
-        named += [(f"layers.{i}.v", t) for i, t in zip(ids, pool.v_buffer)]
-    elif hasattr(pool, "kv_buffer"):
-        ids = _layer_ids(pool, len(pool.kv_buffer))
-        named = [(f"layers.{i}", t) for i, t in zip(ids, pool.kv_buffer)]
-    else:
-        raise ArgumentError(
-            f"{type(pool).__name__} is not an SGLang MHA or MLA token-to-KV pool "
-            "(no k_buffer/v_buffer, no kv_buffer)"
-        )
     found = []
-    for name, tensor in named:
+    for name, tensor in _named_tensors(pool):  # a hot loop: once per buffer at registration
         geometry = _slots_geometry(name, tensor)
-        pages, _shape, strides = _pages_of(geometry, page_size)
-        item_bytes = page_size * strides[0] * geometry.itemsize
-        found.append(Buffer(name, tensor, item_bytes, pages, geometry))
+        itemsize = geometry.itemsize
+        item_bytes = page_size * geometry.strides[0] * itemsize
+        facts = _torch.storage_facts(tensor.untyped_storage())  # a strided tensor's own
+        pages = geometry.shape[0] // page_size
+        found.append(Buffer(name, tensor, item_bytes, pages, geometry, facts))
     return found
 
 
@@ -146,10 +158,9 @@ def _dtype_of(pool: Any, tensor: Any) -> str:
 
 
 def _attention_layer(
-    name: str,
     pool: Any,
-    key: Any,
-    value: Any,
+    key: Buffer,
+    value: Buffer,
     heads: Sequence[int] | None,
     memo: dict[tuple[Any, ...], Layer | None] | None = None,
 ) -> Layer | None:
@@ -157,36 +168,25 @@ def _attention_layer(
     storage with one geometry and V after K; else ``None``. ``memo``: the verdicts of layers
     already read, by geometry (a model's layers are alike: each page read once, not per layer;
     a layer names itself only in an error, and an error ends the reading)."""
-    if not (_torch.is_strided_tensor(key) and _torch.is_strided_tensor(value)):
-        return None
-    k_geometry, v_geometry = _torch.geometry(key), _torch.geometry(value)
-    same_storage = (
-        _torch.storage_facts(_torch.storage_of(key)).key
-        == _torch.storage_facts(_torch.storage_of(value)).key
-    )
-    remembered = (k_geometry, v_geometry, same_storage, key.dtype, value.dtype)
+    same_storage = key.facts.key == value.facts.key
+    dtypes = (key.tensor.dtype, value.tensor.dtype)
+    remembered = (key.geometry, value.geometry, same_storage, *dtypes)
     if memo is not None and remembered in memo:
         return memo[remembered]
-    fused = _fused_layer(name, pool, key, value, heads, k_geometry, v_geometry, same_storage)
+    fused = _fused_layer(pool, key, value, heads, same_storage)
     if memo is not None:
         memo[remembered] = fused
     return fused
 
 
 def _fused_layer(
-    name: str,
-    pool: Any,
-    key: Any,
-    value: Any,
-    heads: Sequence[int] | None,
-    k_geometry: _torch.Geometry,
-    v_geometry: _torch.Geometry,
-    same_storage: bool,
+    pool: Any, key: Buffer, value: Buffer, heads: Sequence[int] | None, same_storage: bool
 ) -> Layer | None:
+    k_geometry, v_geometry = key.geometry, value.geometry
     gap_bytes = v_geometry.byte_offset - k_geometry.byte_offset
     if (
         not same_storage
-        or key.dtype != value.dtype
+        or key.tensor.dtype != value.tensor.dtype
         or k_geometry.shape != v_geometry.shape
         or k_geometry.strides != v_geometry.strides
         or gap_bytes <= 0
@@ -195,34 +195,35 @@ def _fused_layer(
     ):
         return None
     page_size = _page_size(pool)
-    pages, shape, strides = _slot_geometry(name, key, page_size)
+    pages, shape, strides = _pages_of(k_geometry, page_size)
+    name = key.name.removesuffix(".k")
     return layer_from_geometry(
         name,
         axes=("kv", "block", "token", "head", "element"),
         shape=(2, pages, *shape),
         strides_elements=(gap_bytes // k_geometry.itemsize, page_size * strides[0], *strides),
         byte_offset=k_geometry.byte_offset,
-        dtype=_dtype_of(pool, key),
+        dtype=_dtype_of(pool, key.tensor),
         heads=heads,
     )
 
 
-def _separate_layer(name: str, pool: Any, tensor: Any) -> Layer:
+def _separate_layer(pool: Any, buffer: Buffer) -> Layer:
     """One buffer as a layer of its own (K or V apart, or an MLA latent vector per token)."""
     page_size = _page_size(pool)
-    pages, shape, strides = _slot_geometry(name, tensor, page_size)
+    pages, shape, strides = _pages_of(buffer.geometry, page_size)
     inner: tuple[str, ...] = (
         ("head", "element") if len(shape) == 3 and shape[1] > 1 else ("unit", "element")
     )
     if len(shape) == 2:
         inner = ("element",)
     return layer_from_geometry(
-        name,
+        buffer.name,
         axes=("block", "token", *inner),
         shape=(pages, *shape),
         strides_elements=(page_size * strides[0], *strides),
-        byte_offset=_torch.byte_offset(tensor),
-        dtype=_dtype_of(pool, tensor),
+        byte_offset=buffer.geometry.byte_offset,
+        dtype=_dtype_of(pool, buffer.tensor),
         kind="latent",
     )
 
@@ -255,7 +256,12 @@ def _state_pool_reason(pool: Any) -> str | None:
     return None
 
 
-def describe_pool(pool: Any, *, topology: Topology | Mapping[str, Any] | None = None) -> Manifest:
+def describe_pool(
+    pool: Any,
+    *,
+    topology: Topology | Mapping[str, Any] | None = None,
+    buffers: Sequence[Buffer] | None = None,
+) -> Manifest:
     """The manifest of an SGLang 0.5.23 token-to-KV pool (see the module's docstring), read off
     its tensors' strides: the pool may live on any device, ``meta`` included. ``topology`` says
     which attention-TP rank of how many this is and the model's total KV heads (SGLang's
@@ -264,7 +270,8 @@ def describe_pool(pool: Any, *, topology: Topology | Mapping[str, Any] | None = 
     ``ManifestError`` naming the layer and axis for one whose strides it cannot read. A
     sliding-window (``SWAKVPool``) or Mamba hybrid pool is an ``ArgumentError`` saying why its
     state is not judged; its full-attention KV (``pool.full_kv_pool``, the buffers SGLang
-    registers as KV regions) is described as the MHA pool it is."""
+    registers as KV regions) is described as the MHA pool it is. ``buffers``: what
+    ``pool_buffers(pool)`` returned, when the caller has it (each buffer is then read once)."""
     state = _state_pool_reason(pool)
     if state is not None:
         raise ArgumentError(
@@ -283,6 +290,7 @@ def describe_pool(pool: Any, *, topology: Topology | Mapping[str, Any] | None = 
         }
     )
     layers: dict[str, Layer] = {}
+    listed = pool_buffers(pool) if buffers is None else list(buffers)
     if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
         head_num = int(getattr(pool, "head_num", 0) or 0)
         heads = None
@@ -290,20 +298,18 @@ def describe_pool(pool: Any, *, topology: Topology | Mapping[str, Any] | None = 
             from safeview.manifest import layer_heads
 
             heads = layer_heads(known.tp_rank, known.tp_size, known.total_kv_heads, head_num)
-        ids = _layer_ids(pool, len(pool.k_buffer))
+        count = len(pool.k_buffer)  # pool_buffers lists every K, then every V
         memo: dict[tuple[Any, ...], Layer | None] = {}
-        for layer_id, key, value in zip(ids, pool.k_buffer, pool.v_buffer):
-            fused = _attention_layer(f"layers.{layer_id}", pool, key, value, heads, memo)
+        for key, value in zip(listed[:count], listed[count:]):
+            fused = _attention_layer(pool, key, value, heads, memo)
             if fused is not None:
-                layers[f"layers.{layer_id}"] = fused
+                layers[key.name.removesuffix(".k")] = fused
             else:
-                layers[f"layers.{layer_id}.k"] = _separate_layer(f"layers.{layer_id}.k", pool, key)
-                layers[f"layers.{layer_id}.v"] = _separate_layer(
-                    f"layers.{layer_id}.v", pool, value
-                )
+                layers[key.name] = _separate_layer(pool, key)
+                layers[value.name] = _separate_layer(pool, value)
     else:
-        for buffer in pool_buffers(pool):
-            layers[buffer.name] = _separate_layer(buffer.name, pool, buffer.tensor)
+        for buffer in listed:
+            layers[buffer.name] = _separate_layer(pool, buffer)
     if not layers:
         raise ArgumentError(f"{type(pool).__name__} holds no layer")
     return Manifest(topology=known, layers=layers)
@@ -320,7 +326,7 @@ def pool_memory_map(
     storages: dict[int, StorageSpan] = {}
     views: list[ViewSpan] = []
     for buffer in pool_buffers(pool) if buffers is None else buffers:
-        facts = _torch.storage_facts(_torch.storage_of(buffer.tensor))
+        facts = buffer.facts
         if not facts.base:
             continue
         span = storages.get(facts.key)
@@ -357,10 +363,11 @@ _POOLS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def remember_pool(pool: Any) -> None:
-    """Note that ``pool``'s buffers may be handed to a transfer manager (their addresses)."""
+    """Note that ``pool``'s buffers may be handed to a transfer manager (their addresses; the
+    buffers are read when a manager registers them)."""
     try:
-        for buffer in pool_buffers(pool):
-            _POOLS[int(buffer.tensor.data_ptr())] = pool
+        for _name, tensor in _named_tensors(pool):
+            _POOLS[int(tensor.data_ptr())] = pool
     except Exception as error:  # a pool it does not know: judged as SGLang judges it
         step_aside("pool not described", f"{type(error).__name__}: {error}")
 

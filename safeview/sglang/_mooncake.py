@@ -48,7 +48,7 @@ import functools
 import itertools
 from typing import Any
 
-from safeview import _arith, _torch
+from safeview import _arith
 from safeview.errors import AddressError, ManifestError, SafeViewError
 from safeview.manifest import Layer, Manifest, Topology
 from safeview.manifest.peer import judge_peer
@@ -81,7 +81,8 @@ class _Side:
     its manifest (``None`` when its pool is not one safeview read)."""
 
     __slots__ = (
-        "buffers", "local", "manifest", "peers", "policy", "pool", "refusals", "tables", "wire",
+        "buffers", "listed", "local", "manifest", "peers", "policy", "pool", "refusals", "tables",
+        "wire",
     )  # fmt: skip
 
     def __init__(self, policy: Policy, pool: Any, manifest: Manifest | None) -> None:
@@ -100,6 +101,9 @@ class _Side:
         # the map each was made from
         self.tables: dict[str | None, tuple[MemoryMap, _Pages]] = {}
         self.wire: bytes | None = None  # the manifest's wire form, made once
+        # the pool's buffers as read when the side was made (at registration), for that
+        # registration's check, which then forgets them (a later one reads them anew)
+        self.listed: list[Buffer] | None = None
 
 
 def _topology(manager: Any) -> Topology:
@@ -125,14 +129,22 @@ def _side(manager: Any) -> _Side:
     policy = current_policy()
     pool = pool_of(list(getattr(manager.kv_args, "kv_data_ptrs", ()) or ()))
     manifest = None
+    listed = None
+    if pool is not None:
+        try:  # each buffer read once, for the manifest and the registration's check
+            listed = pool_buffers(pool)
+        except Exception as error:  # a pool safeview cannot read: judged as SGLang judges it
+            step_aside("pool not described", f"{type(error).__name__}: {error}")
+            pool = None
     if pool is None:
         step_aside("manager left unchecked", "its KV regions are of no pool safeview read")
     elif policy is not Policy.OFF:
         try:
-            manifest = describe_pool(pool, topology=_topology(manager))
+            manifest = describe_pool(pool, topology=_topology(manager), buffers=listed)
         except Exception as error:  # a pool safeview cannot read: judged as SGLang judges it
             step_aside("pool not described", f"{type(error).__name__}: {error}")
     known = _Side(policy, pool, manifest)
+    known.listed = listed
     setattr(manager, _STATE, known)
     return known
 
@@ -142,8 +154,9 @@ def check_registration(manager: Any, side: _Side) -> None:
     from, in the order ``get_contiguous_buf_infos`` gave them. Raises ``AddressError`` under
     strict; logs under warn. Regions proven inside their buffers in one sorted sweep over
     integers (``_inside_buffers``) need nothing more; any other registration is judged by
-    ``check_descriptors``, which names what is wrong."""
-    buffers = pool_buffers(side.pool)
+    ``check_descriptors``, which names what is wrong. The buffers are those read when the side
+    was made, at this registration, else read now."""
+    buffers, side.listed = side.listed or pool_buffers(side.pool), None
     kv_args = manager.kv_args
     rows = list(zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens))[: len(buffers)]
     if _inside_buffers(rows, buffers):
@@ -167,8 +180,7 @@ def _inside_buffers(rows: list[tuple[Any, Any]], buffers: list[Buffer]) -> bool:
     for (address, length), buffer in zip(rows, buffers):
         if type(address) is not int or type(length) is not int or length <= 0:
             return False
-        facts = _torch.storage_facts(_torch.storage_of(buffer.tensor))
-        geometry = buffer.geometry
+        facts, geometry = buffer.facts, buffer.geometry
         extent = _arith.extent_bytes(0, geometry.shape, geometry.strides, geometry.itemsize)
         start = facts.base + geometry.byte_offset
         if (
@@ -207,6 +219,7 @@ def _register_buffer_to_engine(original: Any) -> Any:
             side = _side(self)
             if side.pool is not None and side.policy is not Policy.OFF:
                 check_registration(self, side)
+            side.listed = None  # read for this registration only
         except AddressError:
             raise  # a finding, under strict: the start-up stops with its numbers
         except Exception as error:  # safeview's own failure, or an SGLang it does not know
