@@ -169,7 +169,13 @@ def _pool(case: dict[str, Any]) -> Any:
 
 
 def _manager(
-    pool: Any, mode: str, server_args: Any, total_heads: int, extra_pages: int = 0, rank: int = 0
+    pool: Any,
+    mode: str,
+    server_args: Any,
+    total_heads: int,
+    extra_pages: int = 0,
+    rank: int = 0,
+    state_extra_pages: int = 0,
 ) -> Any:
     import torch
     from sglang.srt.disaggregation.base.conn import KVArgs  # type: ignore[import-not-found,unused-ignore]
@@ -209,6 +215,13 @@ def _manager(
     kv_args.state_slice_outer_counts, kv_args.state_conv_shard_groups = [], []
     kv_args.is_hybrid_mla_backend = False
     kv_args.swa_kv_cache_layout = None
+    if hasattr(pool, "get_state_buf_infos"):  # a window pool's KV, as SGLang's scheduler sets it
+        from sglang.srt.disaggregation.utils import setup_state_kv_args  # type: ignore[import-not-found,unused-ignore]
+
+        setup_state_kv_args(kv_args, pool)
+        if state_extra_pages:  # the first state region runs past its buffer
+            lens, items = kv_args.state_data_lens[0], kv_args.state_item_lens[0]
+            kv_args.state_data_lens[0] = [lens[0] + state_extra_pages * items[0], *lens[1:]]
     role = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
     return MooncakeKVManager(kv_args, role, server_args, False)
 
@@ -571,20 +584,26 @@ def pools(cases: list[dict[str, Any]]) -> None:
     os._exit(0)
 
 
-def state_pools() -> None:
-    """SGLang's sliding-window pool (``SWAKVPool``) on CPU, its KV and state buffers asked for
-    as the prefill's ``KVArgs`` asks: one JSON line, what ``describe_pool`` says of it and of
-    its full-attention pool, and safeview's events."""
+def _window_pool() -> Any:
+    """SGLang's sliding-window pool (``SWAKVPool``) on CPU: 2 full-attention layers and 2
+    window layers of 4 heads of 16 bf16 values, the window half as many slots."""
     import torch
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # type: ignore[import-not-found,unused-ignore]
 
-    import safeview.sglang
-
-    pool = SWAKVPool(
+    return SWAKVPool(
         size=POOL_TOKENS, size_swa=POOL_TOKENS // 2, page_size=PAGE_SIZE, dtype=torch.bfloat16,
         head_num=4, head_dim=16, swa_attention_layer_ids=[0, 2],
         full_attention_layer_ids=[1, 3], device="cpu", enable_memory_saver=False,
     )  # fmt: skip
+
+
+def state_pools() -> None:
+    """SGLang's sliding-window pool (``SWAKVPool``) on CPU, its KV and state buffers asked for
+    as the prefill's ``KVArgs`` asks: one JSON line, what ``describe_pool`` says of it and of
+    its full-attention pool, and safeview's events."""
+    import safeview.sglang
+
+    pool = _window_pool()
     kv = pool.get_contiguous_buf_infos()
     state = pool.get_state_buf_infos()
     result: dict[str, Any] = {"kv_regions": len(kv[0]), "state_regions": len(state[0])}
@@ -618,15 +637,17 @@ def _code_tensor(name: str, tensor: Any) -> Any:
 
 def register(port: int, cases: list[dict[str, Any]]) -> None:
     """For each case a decode manager over a pool whose first region SGLang reports
-    ``extra_pages`` pages longer than its buffer: one JSON line, whether the manager
+    ``extra_pages`` pages longer than its buffer (with ``window``, an ``SWAKVPool`` whose first
+    state region is ``state_extra_pages`` longer): one JSON line, whether the manager
     registered its regions with Mooncake or what refused them."""
     server_args = _server_args("decode", port)
     for case in cases:
-        pool = _pool(case.get("decode", {}))
+        pool = _window_pool() if case.get("window") else _pool(case.get("decode", {}))
         _KEEP.append(pool)
         result: dict[str, Any] = {"case": case["name"]}
         try:
-            _KEEP.append(_manager(pool, "decode", server_args, 4, int(case["extra_pages"])))
+            extra, state_extra = int(case["extra_pages"]), int(case.get("state_extra_pages", 0))
+            _KEEP.append(_manager(pool, "decode", server_args, 4, extra, 0, state_extra))
             result["registered"] = True
         except Exception as refusal:
             result["registered"] = False

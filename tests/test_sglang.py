@@ -503,3 +503,26 @@ def test_sglangs_own_plugin_loader_turns_safeview_on(
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == expected, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("policy", ["strict", "warn"])
+def test_a_window_pools_state_region_past_its_buffer_is_refused_before_mooncake_registers_it(
+    policy: str,
+) -> None:
+    # an SWAKVPool's window KV, registered as state by SGLang's own setup_state_kv_args
+    cases = [
+        {"name": "whole", "extra_pages": 0, "window": True},
+        {"name": "one state page past", "extra_pages": 0, "window": True, "state_extra_pages": 1},
+    ]
+    whole, past = _run("register", _free_port(), cases, _installed(policy))
+    assert whole["registered"], whole
+    assert not [e for e in whole["events"] if "violation" in e["event"]], whole["events"]
+    assert not [e for e in whole["events"] if "swa state" in e.get("reason", "")]
+    violations = [e for e in past["events"] if e["event"] == "address_violation"]
+    assert [v["layer"] for v in violations] == ["swa.layers.0.k"], past["events"]
+    if policy == "strict":
+        assert not past["registered"]
+        assert past["refused"].startswith("AddressError")
+        assert "meant for layer 'swa.layers.0.k'" in past["refused"]
+    else:  # warn: SGLang registers it, as it would alone
+        assert past["registered"]

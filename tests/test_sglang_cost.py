@@ -24,6 +24,7 @@ from safeview.manifest import Layer, Manifest
 from safeview.policy import Policy
 from safeview.sglang import _mooncake as mooncake
 from safeview.sglang import describe_pool, pool_buffers, pool_memory_map
+from safeview.testing import capture_events
 from safeview.transfer import check_descriptors
 
 PAGE, HEADS, HEAD_DIM, LAYERS, PAGES = 4, 2, 8, 3, 6
@@ -237,3 +238,57 @@ def test_a_registration_reads_each_buffer_once_for_its_manifest_and_its_check(
     kv_args.kv_data_lens = past
     with pytest.raises(AddressError, match=r"layers\.0\.v"):
         mooncake.check_registration(manager, mooncake._side(manager))
+
+
+def _registering(kv: Any, state: list[tuple[str, list[tuple[int, int]]]]) -> Any:
+    """A manager about to register ``kv``'s buffers and the state components ``state`` (a kind
+    and its regions each), as SGLang's ``KVArgs`` lists them."""
+    buffers = pool_buffers(kv)
+    kv_args = types.SimpleNamespace(
+        kv_data_ptrs=[int(b.tensor.data_ptr()) for b in buffers],
+        kv_data_lens=[int(b.tensor.nbytes) for b in buffers],
+        total_kv_head_num=HEADS,
+        state_types=[kind for kind, _ in state],
+        state_data_ptrs=[[address for address, _ in rows] for _, rows in state],
+        state_data_lens=[[length for _, length in rows] for _, rows in state],
+    )
+    return types.SimpleNamespace(
+        kv_args=kv_args, attn_tp_rank=0, attn_tp_size=1, disaggregation_mode="prefill",
+        local_ip="127.0.0.1", rank_port=9,
+    )  # fmt: skip
+
+
+def test_a_window_pools_state_regions_are_checked_inside_its_buffers_and_others_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(safeview.sglang, "_stepped_aside", set())  # said once per process
+    kv, window = _Remembered(**vars(_pool())), _Remembered(**vars(_pool()))
+    for pool in (kv, window):  # as SGLang asks each pool for its buffer infos
+        safeview.sglang.remember_pool(pool)
+    regions = [(int(b.tensor.data_ptr()), int(b.tensor.nbytes)) for b in pool_buffers(window)]
+    mamba = torch.zeros(4, 64, dtype=torch.uint8)  # a state buffer of no pool safeview read
+    loose = [(int(mamba.data_ptr()), 256)]
+    with capture_events() as events:
+        manager = _registering(kv, [("swa", regions), ("mamba", loose)])
+        mooncake.check_registration(manager, mooncake._side(manager))  # all inside: no raise
+        assert not [e for e in events if e["event"] == "address_violation"]
+        said = [e["reason"] for e in events if e["event"] == "integration_unavailable"]
+        assert [r.split(":")[0] for r in said] == ["mamba state regions left unchecked"]
+        # the window pool's regions in another order are not its buffers in order: left alone
+        swapped = [regions[1], regions[0], *regions[2:]]
+        manager = _registering(kv, [("swa", swapped)])
+        mooncake.check_registration(manager, mooncake._side(manager))
+        assert "swa state regions left unchecked" in events[-1]["reason"]
+    past = [*regions]
+    past[LAYERS] = (past[LAYERS][0], past[LAYERS][1] + 1)  # the window's layers.0.v, a byte on
+    manager = _registering(kv, [("swa", past)])
+    with pytest.raises(AddressError, match=r"meant for layer 'swa\.layers\.0\.v'"):
+        mooncake.check_registration(manager, mooncake._side(manager))
+    with capture_events() as events:  # under warn: the event, and SGLang registers it
+        manager = _registering(kv, [("swa", past)])
+        side = mooncake._side(manager)
+        side.policy = Policy.WARN
+        mooncake.check_registration(manager, side)
+    [violation] = [e for e in events if e["event"] == "address_violation"]
+    assert violation["layer"] == "swa.layers.0.v"
+    assert violation["kind"] == "outside_memory"

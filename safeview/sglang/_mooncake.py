@@ -151,24 +151,68 @@ def _side(manager: Any) -> _Side:
 
 def check_registration(manager: Any, side: _Side) -> None:
     """Every KV region the manager is about to register lies inside the pool buffer it came
-    from, in the order ``get_contiguous_buf_infos`` gave them. Raises ``AddressError`` under
-    strict; logs under warn. Regions proven inside their buffers in one sorted sweep over
-    integers (``_inside_buffers``) need nothing more; any other registration is judged by
-    ``check_descriptors``, which names what is wrong. The buffers are those read when the side
-    was made, at this registration, else read now."""
+    from, in the order ``get_contiguous_buf_infos`` gave them; so does every region of a state
+    component that is a pool safeview read, buffer for buffer (``_check_state``). Raises
+    ``AddressError`` under strict; logs under warn. Regions proven inside their buffers in one
+    sorted sweep over integers (``_inside_buffers``) need nothing more; any other registration
+    is judged by ``check_descriptors``, which names what is wrong. The buffers are those read
+    when the side was made, at this registration, else read now."""
     buffers, side.listed = side.listed or pool_buffers(side.pool), None
     kv_args = manager.kv_args
     rows = list(zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens))[: len(buffers)]
+    _check_regions(rows, buffers, side.pool, side.policy)
+    _check_state(kv_args, side)
+
+
+def _check_regions(
+    rows: list[tuple[Any, Any]], buffers: list[Buffer], pool: Any, policy: Policy
+) -> None:
+    """Region ``i`` of ``rows`` inside buffer ``i`` of ``pool`` (``buffers``, as listed, names
+    included), or the first finding raised under strict."""
     if _inside_buffers(rows, buffers):
         return
     names: list[str | None] = [buffer.name for buffer in buffers[: len(rows)]]
     check_descriptors(
         rows,
-        pool_memory_map(side.pool, whole_buffers=True, buffers=buffers),
+        pool_memory_map(pool, whole_buffers=True, buffers=buffers),
         layers=names,
         whole_pages=False,
-        policy=side.policy,
+        policy=policy,
     )
+
+
+def _check_state(kv_args: Any, side: _Side) -> None:
+    """The regions of each state component SGLang registers (``kv_args.state_data_ptrs`` and
+    ``state_data_lens``, one list per ``state_types`` entry) checked as the KV regions are, where
+    the component is the buffers of a pool safeview read, all of them in their order (an
+    ``SWAKVPool``'s sliding-window pool: ``get_state_buf_infos`` hands SGLang that pool's
+    ``get_contiguous_buf_infos``), its buffers named ``<state type>.<buffer>``
+    (``swa.layers.0.k``). Any other component (Mamba states, DSA, block scales, a list that is
+    not such a pool's buffers in order) is registered as SGLang registers it alone, said once
+    per process and kind with an ``integration_unavailable`` event (so is a component with an
+    empty region, which SGLang does not register)."""
+    kinds = list(getattr(kv_args, "state_types", None) or ())
+    lengths_of = list(getattr(kv_args, "state_data_lens", None) or ())
+    for index, pointers in enumerate(getattr(kv_args, "state_data_ptrs", None) or ()):
+        kind = kinds[index] if index < len(kinds) else f"state{index}"
+        kind = str(getattr(kind, "value", kind))
+        lengths = list(lengths_of[index]) if index < len(lengths_of) else []
+        rows = list(zip(pointers or (), lengths))
+        pool = pool_of([int(rows[0][0])]) if rows else None
+        buffers = pool_buffers(pool) if pool is not None and pool is not side.pool else []
+        pointers_of = [int(b.tensor.data_ptr()) for b in buffers]
+        if not rows or pointers_of != [int(r[0]) for r in rows] or min(r[1] for r in rows) <= 0:
+            step_aside(
+                f"{kind} state regions left unchecked",
+                "they are not the buffers of a pool safeview read, in order (only an SWA "
+                "pool's window KV is): SGLang registers them as it would alone",
+            )
+            continue
+        named = [
+            Buffer(f"{kind}.{b.name}", b.tensor, b.item_bytes, b.pages, b.geometry, b.facts)
+            for b in buffers
+        ]
+        _check_regions(rows, named, pool, side.policy)
 
 
 def _inside_buffers(rows: list[tuple[Any, Any]], buffers: list[Buffer]) -> bool:
