@@ -449,19 +449,36 @@ def test_a_vllm_manifest_diffed_against_sglangs_by_meaning(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("policy", ["strict", "warn"])
-def test_a_region_past_its_buffer_is_refused_before_mooncake_registers_it(policy: str) -> None:
-    cases = [{"name": "whole", "extra_pages": 0}, {"name": "one page past", "extra_pages": 1}]
-    whole, past = _run("register", _free_port(), cases, _installed(policy))
-    assert whole["registered"]
-    assert not [e for e in whole["events"] if "violation" in e["event"]]
-    violations = [e for e in past["events"] if e["event"] == "address_violation"]
-    assert [v["layer"] for v in violations] == ["layers.0.k"], past["events"]
+@pytest.mark.parametrize(
+    ("past", "buffer"),
+    [
+        ({"extra_pages": 1}, "layers.0.k"),
+        ({"window": True, "state_extra_pages": 1}, "swa.layers.0.k"),
+    ],
+    ids=["kv", "window state"],
+)
+def test_a_region_past_its_buffer_is_refused_before_mooncake_registers_it(
+    policy: str, past: dict[str, Any], buffer: str
+) -> None:
+    # a KV region, or the window KV of an SWAKVPool that SGLang's own setup_state_kv_args
+    # registers as its "swa" state
+    window = bool(past.get("window"))
+    cases = [
+        {"name": "whole", "extra_pages": 0, "window": window},
+        {"name": "one page past", "extra_pages": 0, **past},
+    ]
+    whole, refused = _run("register", _free_port(), cases, _installed(policy))
+    assert whole["registered"], whole
+    assert not [e for e in whole["events"] if "violation" in e["event"]], whole["events"]
+    assert not [e for e in whole["events"] if "left unchecked" in e.get("reason", "")]
+    violations = [e for e in refused["events"] if e["event"] == "address_violation"]
+    assert [v["layer"] for v in violations] == [buffer], refused["events"]
     if policy == "strict":
-        assert not past["registered"]
-        assert past["refused"].startswith("AddressError")
-        assert "layers.0.k" in past["refused"]
+        assert not refused["registered"]
+        assert refused["refused"].startswith("AddressError")
+        assert f"meant for layer '{buffer}'" in refused["refused"]
     else:  # warn: SGLang registers it, as it would alone
-        assert past["registered"]
+        assert refused["registered"]
 
 
 _LOADED_BY_SGLANG = """
@@ -503,26 +520,3 @@ def test_sglangs_own_plugin_loader_turns_safeview_on(
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == expected, done.stderr[-2000:]
-
-
-@pytest.mark.parametrize("policy", ["strict", "warn"])
-def test_a_window_pools_state_region_past_its_buffer_is_refused_before_mooncake_registers_it(
-    policy: str,
-) -> None:
-    # an SWAKVPool's window KV, registered as state by SGLang's own setup_state_kv_args
-    cases = [
-        {"name": "whole", "extra_pages": 0, "window": True},
-        {"name": "one state page past", "extra_pages": 0, "window": True, "state_extra_pages": 1},
-    ]
-    whole, past = _run("register", _free_port(), cases, _installed(policy))
-    assert whole["registered"], whole
-    assert not [e for e in whole["events"] if "violation" in e["event"]], whole["events"]
-    assert not [e for e in whole["events"] if "swa state" in e.get("reason", "")]
-    violations = [e for e in past["events"] if e["event"] == "address_violation"]
-    assert [v["layer"] for v in violations] == ["swa.layers.0.k"], past["events"]
-    if policy == "strict":
-        assert not past["registered"]
-        assert past["refused"].startswith("AddressError")
-        assert "meant for layer 'swa.layers.0.k'" in past["refused"]
-    else:  # warn: SGLang registers it, as it would alone
-        assert past["registered"]
