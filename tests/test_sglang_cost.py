@@ -200,21 +200,32 @@ class _Remembered(types.SimpleNamespace):
     """A pool ``remember_pool`` can keep a weak reference to."""
 
 
+def _registering(kv: Any, state: list[tuple[str, list[tuple[int, int]]]]) -> Any:
+    """A manager about to register ``kv``'s buffers and the state components ``state`` (a kind
+    and its regions each), as SGLang's ``KVArgs`` lists them."""
+    buffers = pool_buffers(kv)
+    kv_args = types.SimpleNamespace(
+        kv_data_ptrs=[int(b.tensor.data_ptr()) for b in buffers],
+        kv_data_lens=[int(b.tensor.nbytes) for b in buffers],
+        total_kv_head_num=HEADS,
+        state_types=[kind for kind, _ in state],
+        state_data_ptrs=[[address for address, _ in rows] for _, rows in state],
+        state_data_lens=[[length for _, length in rows] for _, rows in state],
+    )
+    return types.SimpleNamespace(
+        kv_args=kv_args, attn_tp_rank=0, attn_tp_size=1, disaggregation_mode="prefill",
+        local_ip="127.0.0.1", rank_port=9,
+    )  # fmt: skip
+
+
 def test_a_registration_reads_each_buffer_once_for_its_manifest_and_its_check(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pool = _Remembered(**vars(_pool()))  # remember_pool keeps a weak reference
     safeview.sglang.remember_pool(pool)
     buffers = pool_buffers(pool)
-    kv_args = types.SimpleNamespace(
-        kv_data_ptrs=[int(b.tensor.data_ptr()) for b in buffers],
-        kv_data_lens=[int(b.tensor.nbytes) for b in buffers],
-        total_kv_head_num=HEADS,
-    )
-    manager = types.SimpleNamespace(
-        kv_args=kv_args, attn_tp_rank=0, attn_tp_size=1, disaggregation_mode="prefill",
-        local_ip="127.0.0.1", rank_port=9,
-    )  # fmt: skip
+    manager = _registering(pool, [])
+    kv_args = manager.kv_args
     read: list[torch.Tensor] = []
     real = safeview._torch.geometry
 
@@ -238,24 +249,6 @@ def test_a_registration_reads_each_buffer_once_for_its_manifest_and_its_check(
     kv_args.kv_data_lens = past
     with pytest.raises(AddressError, match=r"layers\.0\.v"):
         mooncake.check_registration(manager, mooncake._side(manager))
-
-
-def _registering(kv: Any, state: list[tuple[str, list[tuple[int, int]]]]) -> Any:
-    """A manager about to register ``kv``'s buffers and the state components ``state`` (a kind
-    and its regions each), as SGLang's ``KVArgs`` lists them."""
-    buffers = pool_buffers(kv)
-    kv_args = types.SimpleNamespace(
-        kv_data_ptrs=[int(b.tensor.data_ptr()) for b in buffers],
-        kv_data_lens=[int(b.tensor.nbytes) for b in buffers],
-        total_kv_head_num=HEADS,
-        state_types=[kind for kind, _ in state],
-        state_data_ptrs=[[address for address, _ in rows] for _, rows in state],
-        state_data_lens=[[length for _, length in rows] for _, rows in state],
-    )
-    return types.SimpleNamespace(
-        kv_args=kv_args, attn_tp_rank=0, attn_tp_size=1, disaggregation_mode="prefill",
-        local_ip="127.0.0.1", rank_port=9,
-    )  # fmt: skip
 
 
 def test_a_window_pools_state_regions_are_checked_inside_its_buffers_and_others_left(
