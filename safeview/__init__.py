@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from safeview.spec import BlockLayout, Layout, Region, SpecError, StridedLayout, packed_layouts
     from safeview.view import make_view
 
-__version__ = "0.9.3"
+__version__ = "0.9.4"
 
 __all__ = [
     "AddressError",

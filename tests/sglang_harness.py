@@ -229,8 +229,9 @@ def _manager(
 _KEEP: list[Any] = []
 
 
-def _pattern(pool: Any, pages: list[int]) -> None:
-    """Write distinct bytes into ``pages`` of every K and V buffer of ``pool``."""
+def _pattern(pool: Any, pages: list[int], salt: int = 0) -> None:
+    """Write distinct bytes into ``pages`` of every K and V buffer of ``pool`` (``salt``: another
+    pattern, for another pool)."""
     import torch
 
     for index, buffer in enumerate([*pool.k_buffer, *pool.v_buffer]):
@@ -238,6 +239,7 @@ def _pattern(pool: Any, pages: list[int]) -> None:
         for page in pages:
             rows = raw[page * PAGE_SIZE : (page + 1) * PAGE_SIZE]
             values = torch.arange(rows.numel(), dtype=torch.int64) * 7 + index * 31 + page * 13
+            values += salt * 17
             rows.copy_((values % 251 + 1).to(torch.uint8).view(rows.shape))
 
 
@@ -337,7 +339,7 @@ def prefill(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
     if rank == 0:  # one bootstrap server for P's ranks, as SGLang's launcher starts one
         MooncakeKVBootstrapServer("127.0.0.1", port)
     server_args = _server_args("prefill", port, _tp(layout), rank)
-    pool = _pool(layout)
+    pool = _side_pool(layout)
     manager = _manager(pool, "prefill", server_args, _total_heads(layout), rank=rank)
     print(json.dumps({"side": "prefill", "ready": True}), flush=True)
     for room, case in enumerate(cases, start=1):
@@ -346,19 +348,24 @@ def prefill(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
         state = _wait(sender.poll, {"WaitingForInput", "Failed"}, deadline)
         result: dict[str, Any] = {"side": "prefill", "case": case["name"], "bootstrap": state}
         if state == "WaitingForInput":
-            pages = case["src_pages"]
+            pages, kv = case["src_pages"], _kv_of(pool)
             if case.get("by_meaning"):
-                _meaning_pattern(pool, pages, _heads_of(layout, rank))
+                _meaning_pattern(kv, pages, _heads_of(layout, rank))
             else:
-                _pattern(pool, pages)
-            result["sent"] = _page_bytes(pool, pages)
+                _pattern(kv, pages)
+            result["sent"] = _page_bytes(kv, pages)
+            window = None  # a window pool's pages go as SGLang's SWA state, on the last chunk
+            if "src_state_pages" in case:
+                window = [list(case["src_state_pages"])]
+                _pattern(pool.swa_kv_pool, window[0], salt=5)
+                result["state_sent"] = _page_bytes(pool.swa_kv_pool, window[0])
             if case.get("digest_fault"):
                 _digest_fault(case["digest_fault"], room)
             sender.init(len(pages), 0)
             if case.get("num_tokens"):  # the request's tokens, as SGLang's prefill says them
                 sender.send(np.array(pages, dtype=np.int32), num_kv_tokens=case["num_tokens"])
             else:
-                sender.send(np.array(pages, dtype=np.int32))
+                sender.send(np.array(pages, dtype=np.int32), state_indices=window)
             result["state"] = _wait(sender.poll, {"Success", "Failed"}, deadline)
             if result["state"] == "Failed":
                 result["reason"] = _reason(sender)
@@ -493,7 +500,7 @@ def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
     for room, case in enumerate(cases, start=1):
         if room > 1:
             _wait_prefill(room - 1, _tp(cases[0]["prefill"]))
-        pool = _pool(case["decode"])
+        pool = _side_pool(case["decode"])
         _KEEP.append(pool)
         forged = case.get("forge_manifest")
         if forged:  # the manifest frame this D sends, for this case, is cut short (forged)
@@ -513,13 +520,17 @@ def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
         receiver = MooncakeKVReceiver(manager, address, room)
         receiver.init(0)
         pages = case["dst_pages"]
-        receiver.send_metadata(np.array(pages, dtype=np.int32), 0)
+        window = [list(case["dst_state_pages"])] if "dst_state_pages" in case else None
+        receiver.send_metadata(np.array(pages, dtype=np.int32), 0, state_indices=window)
         state = _wait(receiver.poll, {"Success", "Failed"}, deadline)
         result: dict[str, Any] = {"side": "decode", "case": case["name"], "state": state}
         if state == "Failed":
             result["reason"] = _reason(receiver)
-        result["received"] = _page_bytes(pool, pages)
-        result["nonzero_bytes"] = _nonzero(pool)
+        result["received"] = _page_bytes(_kv_of(pool), pages)
+        result["nonzero_bytes"] = _nonzero(_kv_of(pool))
+        if window is not None:  # the window pool: its pages D asked for, and any byte at all
+            result["state_received"] = _page_bytes(pool.swa_kv_pool, window[0])
+            result["state_nonzero_bytes"] = _nonzero(pool.swa_kv_pool)
         if _FRAMES:
             result["frames"] = sorted(set(_FRAMES))
         if forged:
@@ -584,17 +595,38 @@ def pools(cases: list[dict[str, Any]]) -> None:
     os._exit(0)
 
 
-def _window_pool() -> Any:
+def _window_pool(side: dict[str, Any] | None = None) -> Any:
     """SGLang's sliding-window pool (``SWAKVPool``) on CPU: 2 full-attention layers and 2
-    window layers of 4 heads of 16 bf16 values, the window half as many slots."""
+    window layers of 4 heads of 16 bf16 values, the window half as many slots (8 pages and
+    SGLang's padded one); ``side``'s ``window_heads`` and ``window_head_dim`` make the window
+    pool's heads another shape (through SGLang's own ``swa_kv_pool_kwargs``)."""
     import torch
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # type: ignore[import-not-found,unused-ignore]
 
+    side = side or {}
+    window = None
+    if side.get("window_heads") or side.get("window_head_dim"):
+        window = {
+            "page_size": PAGE_SIZE, "enable_memory_saver": False, "device": "cpu",
+            "head_num": int(side.get("window_heads", 4)),
+            "head_dim": int(side.get("window_head_dim", 16)),
+        }  # fmt: skip
     return SWAKVPool(
         size=POOL_TOKENS, size_swa=POOL_TOKENS // 2, page_size=PAGE_SIZE, dtype=torch.bfloat16,
         head_num=4, head_dim=16, swa_attention_layer_ids=[0, 2],
         full_attention_layer_ids=[1, 3], device="cpu", enable_memory_saver=False,
+        swa_kv_pool_kwargs=window,
     )  # fmt: skip
+
+
+def _side_pool(side: dict[str, Any]) -> Any:
+    """The pool a side of a case has: an ``SWAKVPool`` with ``window``, else an MHA pool."""
+    return _window_pool(side) if side.get("window") else _pool(side)
+
+
+def _kv_of(pool: Any) -> Any:
+    """The MHA pool whose pages SGLang moves as KV (an ``SWAKVPool``'s full-attention one)."""
+    return getattr(pool, "full_kv_pool", pool)
 
 
 def state_pools() -> None:
@@ -607,15 +639,18 @@ def state_pools() -> None:
     kv = pool.get_contiguous_buf_infos()
     state = pool.get_state_buf_infos()
     result: dict[str, Any] = {"kv_regions": len(kv[0]), "state_regions": len(state[0])}
-    try:
-        safeview.sglang.describe_pool(pool)
-    except Exception as refused:
-        result["refused"] = f"{type(refused).__name__}: {refused}"
+    both = safeview.sglang.describe_pool(pool)
     full = safeview.sglang.describe_pool(pool.full_kv_pool)
+    window = safeview.sglang.describe_pool(pool.swa_kv_pool, prefix="swa.")
+    result["layers"] = sorted(both.layers)
     result["full_layers"] = sorted(full.layers)
+    result["parts_agree"] = both.layers == {**full.layers, **window.layers}
     result["full_is_registered"] = sorted(
         int(t.data_ptr()) for t in [*pool.full_kv_pool.k_buffer, *pool.full_kv_pool.v_buffer]
     ) == sorted(int(p) for p in kv[0])
+    result["window_is_state"] = [
+        int(t.data_ptr()) for t in [*pool.swa_kv_pool.k_buffer, *pool.swa_kv_pool.v_buffer]
+    ] == [int(p) for p in state[0]]
     result["events"] = _new_events()
     print(json.dumps(result), flush=True)
     os._exit(0)

@@ -395,20 +395,92 @@ def test_describe_pool_reads_sglangs_own_pools_off_their_strides_checked_against
         assert _decode_page_bytes(document) == [], document["case"]
 
 
-def test_a_sliding_window_pools_state_is_said_not_judged_and_its_full_attention_kv_is_read() -> (
-    None
-):
+def test_a_sliding_window_pool_is_read_as_its_full_attention_kv_and_its_window_kv() -> None:
     (found,) = _run("state_pools", 0, [], _installed("strict"))
-    # SGLang registers the full-attention pool's buffers as the KV regions: safeview reads
-    # that pool (the plugin remembers it, as any MHA pool); the window pool is state
+    # SGLang registers the full-attention pool's buffers as the KV regions and the window
+    # pool's, in their order, as its "swa" state: safeview reads both (the plugin remembers
+    # each, as any MHA pool), the window's layers named after SGLang's state type
     assert found["kv_regions"] == found["state_regions"] == 4
     assert found["full_is_registered"]
+    assert found["window_is_state"]
     assert found["full_layers"] == ["layers.0", "layers.1"]
-    assert found["refused"].startswith("ArgumentError: SWAKVPool: its sliding-window pool")
-    assert "pool.full_kv_pool" in found["refused"]
-    said = [e for e in found["events"] if e["event"] == "integration_unavailable"]
-    assert [e["reason"].split(":")[0] for e in said] == ["SWAKVPool state not judged"], said
-    assert "_send_swa_state_slice" in said[0]["reason"]
+    assert found["layers"] == ["layers.0", "layers.1", "swa.layers.0", "swa.layers.1"]
+    assert found["parts_agree"]
+    assert not [e for e in found["events"] if e["event"] == "integration_unavailable"]
+
+
+# SGLang's SWA state (an SWAKVPool's window KV, sent by maybe_send_extra on the last chunk): P's
+# window pages 1 and 2 into D's 4 and 6, its KV pages 1 and 2 into D's 3 and 5
+WINDOW = {"window": True}
+WINDOW_CASES: list[dict[str, Any]] = [
+    {"name": "window_equal", "decode": WINDOW},
+    # the same bytes a window page (SGLang's own state check passes it), 8 heads of 8
+    {"name": "window_heads", "decode": {**WINDOW, "window_heads": 8, "window_head_dim": 8}},
+    # D names a window page past its window pool (9 pages)
+    {"name": "window_past", "decode": WINDOW, "dst_state_pages": [4, 20]},
+]
+for _case in WINDOW_CASES:
+    _case.update(prefill=WINDOW, src_pages=[1, 2], dst_pages=[3, 5], src_state_pages=[1, 2])
+    _case.setdefault("dst_state_pages", [4, 6])
+
+
+@pytest.mark.slow
+def test_a_window_pools_state_slices_are_judged_as_its_kv_at_both_sides() -> None:
+    with ThreadPoolExecutor(3) as pool:
+        strict = pool.submit(_pair, WINDOW_CASES, _installed("strict"), _installed("strict"))
+        warned = pool.submit(_pair, WINDOW_CASES, _installed("warn"), _installed("warn"))
+        alone = pool.submit(_pair, WINDOW_CASES, ALONE, ALONE)
+        (prefill, decode), (warn_prefill, warn_decode) = strict.result(), warned.result()
+        alone_prefill, alone_decode = alone.result()
+    # equal: SGLang moved the KV pages and the window pages, byte for byte
+    assert prefill["window_equal"]["state"] == decode["window_equal"]["state"] == "Success"
+    assert decode["window_equal"]["received"] == prefill["window_equal"]["sent"]
+    assert decode["window_equal"]["state_received"] == prefill["window_equal"]["state_sent"]
+    assert decode["window_equal"]["state_nonzero_bytes"] > 0
+    # another window head shape, the same bytes a page: SGLang alone moves it (D's window then
+    # holds P's bytes read as other heads); safeview refuses the session at P, naming the
+    # window's layer and first byte, before a byte moves
+    assert alone_prefill["window_heads"]["state"] == alone_decode["window_heads"]["state"]
+    assert alone_decode["window_heads"]["state"] == "Success"
+    assert alone_decode["window_heads"]["state_received"] == prefill["window_heads"]["state_sent"]
+    reason = prefill["window_heads"]["reason"]
+    assert prefill["window_heads"]["state"] == decode["window_heads"]["state"] == "Failed"
+    assert "safeview: swa.layers.0" in reason, reason
+    assert "head" in reason.split("swa.layers.0", 1)[1], reason
+    assert decode["window_heads"]["nonzero_bytes"] == 0
+    assert decode["window_heads"]["state_nonzero_bytes"] == 0
+    # each side judged the other's window manifest at the handshake, as the KV's
+    for side in (prefill, decode):
+        judged = [
+            (e["event"], e.get("layer") or "")
+            for e in side["events"]
+            if e["event"] in ("layout_checked", "layout_mismatch")
+        ]
+        assert [(event, layer[:4]) for event, layer in judged] == [
+            ("layout_checked", ""), ("layout_checked", ""),  # window_equal: KV, window
+            ("layout_checked", ""), ("layout_mismatch", "swa."),  # window_heads
+            ("layout_checked", ""), ("layout_checked", ""),  # window_past
+        ], judged  # fmt: skip
+    # a window page past D's window pool: the state batch is refused before Mooncake runs it
+    # (the KV pages went first, in their own batches); the violation names the window buffer
+    assert prefill["window_past"]["state"] == decode["window_past"]["state"] == "Failed"
+    assert decode["window_past"]["state_nonzero_bytes"] == 0
+    assert decode["window_past"]["received"] == prefill["window_past"]["sent"]
+    [violation, *_] = [e for e in prefill["events"] if e["event"] == "address_violation"]
+    assert violation["layer"].startswith("swa.layers."), violation
+    assert violation["policy"] == "strict"
+    # under warn each goes on as SGLang alone: the same outcome and the same window bytes (the
+    # row past D's pool: by outcome only, as for the KV's)
+    for case in WINDOW_CASES:
+        name = str(case["name"])
+        assert warn_prefill[name]["state"] == alone_prefill[name]["state"], name
+        if name != "window_past":
+            assert warn_decode[name]["state_received"] == alone_decode[name]["state_received"]
+            assert warn_decode[name]["received"] == alone_decode[name]["received"]
+    warned_events = [e["event"] for e in warn_prefill["events"]]
+    assert "layout_mismatch" in warned_events
+    assert "address_violation" in warned_events
+    assert alone_prefill["events"] == alone_decode["events"] == []
 
 
 def test_a_vllm_manifest_diffed_against_sglangs_by_meaning(tmp_path: Path) -> None:

@@ -285,3 +285,67 @@ def test_a_window_pools_state_regions_are_checked_inside_its_buffers_and_others_
     [violation] = [e for e in events if e["event"] == "address_violation"]
     assert violation["layer"] == "swa.layers.0.v"
     assert violation["kind"] == "outside_memory"
+
+
+def _decode_registration(decode: Any, window: Any | None) -> Any:
+    """What P holds of a decode peer once SGLang read its registration (``KVArgsRegisterInfo``)
+    and safeview its frames: D's pointers, item lengths and manifests (``window``: D's window
+    pool, SGLang's ``swa`` state, and its manifest)."""
+    states = {}
+    pointers, items = [], []
+    if window is not None:
+        buffers = pool_buffers(window, prefix="swa.")
+        pointers = [[int(b.tensor.data_ptr()) for b in buffers]]
+        items = [[int(b.item_bytes) for b in buffers]]
+        states["swa"] = mooncake.to_wire(describe_pool(window, prefix="swa."))
+    return types.SimpleNamespace(
+        _safeview_manifest=mooncake.to_wire(describe_pool(decode)), _safeview_states=states,
+        dst_kv_ptrs=[int(b.tensor.data_ptr()) for b in pool_buffers(decode)],
+        dst_state_data_ptrs=pointers, dst_state_item_lens=items, dst_tp_rank=0,
+        dst_attn_tp_size=1, dst_kv_item_len=ITEM, dst_dcp_size=1,
+    )  # fmt: skip
+
+
+def test_window_rows_are_judged_in_the_window_d_described_and_left_where_it_did_not() -> None:
+    kv, window = _Remembered(**vars(_pool())), _Remembered(**vars(_pool()))
+    for pool in (kv, window):
+        safeview.sglang.remember_pool(pool)
+    regions = [(int(b.tensor.data_ptr()), int(b.tensor.nbytes)) for b in pool_buffers(window)]
+    manager = _registering(kv, [("swa", regions)])
+    manager.kv_args.page_size = PAGE
+    manager.kv_args.state_item_lens = [[ITEM] * len(regions)]
+    manager.dcp_size = 1
+    side = mooncake._side(manager)
+    assert sorted(side.states) == ["swa"]
+    decode, decode_window = _pool(), _pool()
+    with capture_events() as events:
+        error, _ = mooncake.judge_decode_peer(
+            manager, SESSION, _decode_registration(decode, decode_window)
+        )
+    assert error is None
+    assert [e["event"] for e in events] == ["layout_checked", "layout_checked"]
+    assert side.kinds[SESSION] == frozenset({"swa"})
+
+    def window_page(pool: Any, buffer: int, page: int) -> int:
+        return int(pool_buffers(pool)[buffer].tensor.data_ptr()) + page * ITEM
+
+    # a window page into D's window page of the same buffer: proven and judged right
+    inside = [(window_page(window, 1, 2), window_page(decode_window, 1, 4), ITEM)]
+    assert _judged(side, inside) == (True, True)
+    # past D's window buffer (its pool's 6 pages), and into D's KV in place of its window
+    past = [(window_page(window, 1, 2), window_page(decode_window, 1, PAGES), ITEM)]
+    crossed = [(window_page(window, 1, 2), window_page(decode, 1, 4), ITEM)]
+    for rows in (past, crossed):
+        with capture_events() as events:
+            assert _judged(side, rows) == (False, False)
+        [violation] = [e for e in events if e["event"] == "address_violation"]
+        assert violation["layer"] == "swa.layers.1.k", violation
+    # a D that described no window (no safeview state frame): its window rows are SGLang's
+    with capture_events() as events:
+        mooncake.judge_decode_peer(manager, SESSION, _decode_registration(decode, None))
+    verdicts = [e.get("verdict") for e in events if e["event"] == "layout_checked"]
+    assert verdicts == ["compatible", "not_judged"]
+    assert side.kinds[SESSION] == frozenset()
+    assert _judged(side, past) == (True, True)
+    # the KV rows are judged as before, in the map without the window
+    assert _judged(side, [(_page(kv, 0, 1), _page(decode, 0, PAGES), ITEM)]) == (False, False)

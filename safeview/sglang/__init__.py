@@ -7,7 +7,8 @@ named ``layers.{layer_id}``, a page being ``page_size`` token slots, K and V its
 axis when both halves lie in one allocation (as 0.5.23 allocates them when K and V have one
 shape); else K and V are two layers, ``layers.{layer_id}.k`` and ``.v``. An MLA pool
 (``kv_buffer[i]``, ``[slots, 1, latent]``) is one ``latent`` layer per model layer. The dtype is
-the pool's (``float8_e4m3fn`` where SGLang stores fp8 as ``uint8``).
+the pool's (``float8_e4m3fn`` where SGLang stores fp8 as ``uint8``). A sliding-window pool
+(``SWAKVPool``) is its full-attention pool's layers and its window pool's, ``swa.layers.{i}``.
 
 ``install()`` is the entry point in SGLang's ``sglang.srt.plugins`` group, which SGLang's
 ``load_plugins()`` runs early in every scheduler process: it puts safeview on SGLang's Mooncake
@@ -125,13 +126,14 @@ def _named_tensors(pool: Any) -> list[tuple[str, Any]]:
     )
 
 
-def pool_buffers(pool: Any) -> list[Buffer]:
+def pool_buffers(pool: Any, *, prefix: str = "") -> list[Buffer]:
     """The buffers an SGLang pool registers for transfer, in the order of its
     ``get_contiguous_buf_infos()`` (every K, then every V; an MLA pool's one per layer), named as
-    ``describe_pool`` names the layers they belong to."""
+    ``describe_pool`` names the layers they belong to (``prefix`` first: ``swa.layers.0.k``)."""
     page_size = _page_size(pool)
     found = []
     for name, tensor in _named_tensors(pool):  # a hot loop: once per buffer at registration
+        name = prefix + name
         geometry = _slots_geometry(name, tensor)
         itemsize = geometry.itemsize
         item_bytes = page_size * geometry.strides[0] * itemsize
@@ -229,10 +231,6 @@ def _separate_layer(pool: Any, buffer: Buffer) -> Layer:
 
 
 _STATE_NOT_JUDGED = {
-    "SWAKVPool": (
-        "its sliding-window pool (get_state_buf_infos) moves as state slices "
-        "(_send_swa_state_slice) by SGLang's own window indices, which safeview does not model"
-    ),
     "HybridLinearKVPool": (
         "its Mamba conv and temporal states (get_state_buf_infos) move as state slices "
         "(_send_mamba_state, _send_mamba_state_slice), which safeview does not model"
@@ -244,16 +242,24 @@ _STATE_NOT_JUDGED = {
 }
 """SGLang 0.5.23's pools whose state safeview leaves to SGLang: why, by class name."""
 
+WINDOW_PREFIX = "swa."
+"""What the layers of an ``SWAKVPool``'s sliding-window pool are named after (``swa.layers.0``),
+in a manifest and in findings: SGLang's ``StateType.SWA`` and the index in that pool."""
+
 
 def _state_pool_reason(pool: Any) -> str | None:
     for cls in type(pool).__mro__:
         if cls.__name__ in _STATE_NOT_JUDGED:
             return f"{cls.__name__}: {_STATE_NOT_JUDGED[cls.__name__]}"
-    if hasattr(pool, "swa_kv_pool"):
-        return f"{type(pool).__name__}: {_STATE_NOT_JUDGED['SWAKVPool']}"
     if hasattr(pool, "mamba_pool"):
         return f"{type(pool).__name__}: {_STATE_NOT_JUDGED['HybridLinearKVPool']}"
     return None
+
+
+def _window_pools(pool: Any) -> tuple[Any, Any] | None:
+    """An ``SWAKVPool``'s full-attention and sliding-window pools, or ``None`` for another."""
+    full, window = getattr(pool, "full_kv_pool", None), getattr(pool, "swa_kv_pool", None)
+    return (full, window) if full is not None and window is not None else None
 
 
 def describe_pool(
@@ -261,17 +267,25 @@ def describe_pool(
     *,
     topology: Topology | Mapping[str, Any] | None = None,
     buffers: Sequence[Buffer] | None = None,
+    prefix: str = "",
 ) -> Manifest:
     """The manifest of an SGLang 0.5.23 token-to-KV pool (see the module's docstring), read off
     its tensors' strides: the pool may live on any device, ``meta`` included. ``topology`` says
     which attention-TP rank of how many this is and the model's total KV heads (SGLang's
     ``attn_tp_rank``, ``attn_tp_size``, ``total_kv_head_num``; DCP as ``dcp_size``/``dcp_rank``);
     the page size becomes the block tokens. ``ArgumentError`` for a pool it does not know;
-    ``ManifestError`` naming the layer and axis for one whose strides it cannot read. A
-    sliding-window (``SWAKVPool``) or Mamba hybrid pool is an ``ArgumentError`` saying why its
-    state is not judged; its full-attention KV (``pool.full_kv_pool``, the buffers SGLang
-    registers as KV regions) is described as the MHA pool it is. ``buffers``: what
+    ``ManifestError`` naming the layer and axis for one whose strides it cannot read.
+    ``prefix`` goes before every layer's name. A sliding-window pool (``SWAKVPool``) is both of
+    its pools: the full-attention KV (``pool.full_kv_pool``, which SGLang registers as the KV
+    regions) as ``layers.{i}``, the window KV (``pool.swa_kv_pool``, SGLang's SWA state) as
+    ``swa.layers.{i}``, ``i`` the index in that pool. A Mamba hybrid pool is an
+    ``ArgumentError`` saying why its state is not described. ``buffers``: what
     ``pool_buffers(pool)`` returned, when the caller has it (each buffer is then read once)."""
+    pair = _window_pools(pool)
+    if pair is not None and buffers is None:
+        full = describe_pool(pair[0], topology=topology, prefix=prefix)
+        window = describe_pool(pair[1], topology=topology, prefix=prefix + WINDOW_PREFIX)
+        return Manifest(topology=full.topology, layers={**full.layers, **window.layers})
     state = _state_pool_reason(pool)
     if state is not None:
         raise ArgumentError(
@@ -290,7 +304,7 @@ def describe_pool(
         }
     )
     layers: dict[str, Layer] = {}
-    listed = pool_buffers(pool) if buffers is None else list(buffers)
+    listed = pool_buffers(pool, prefix=prefix) if buffers is None else list(buffers)
     if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
         head_num = int(getattr(pool, "head_num", 0) or 0)
         heads = None
@@ -429,7 +443,6 @@ def _wrap_state_pools() -> None:
     import importlib
 
     for module, name in (
-        ("sglang.srt.mem_cache.swa_memory_pool", "SWAKVPool"),
         ("sglang.srt.mem_cache.memory_pool", "HybridLinearKVPool"),
         ("sglang.srt.mem_cache.memory_pool", "HybridReqToTokenPool"),
     ):

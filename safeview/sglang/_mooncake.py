@@ -35,7 +35,12 @@ safeview is off or has nothing to say:
   pages at equal attention TP, slices inside one page otherwise). Under strict a batch with a
   finding is not run: SGLang gets the failure code Mooncake would give and fails the request;
   under warn, an ``address_violation`` event and the batch runs. Rows of no pool safeview read
-  (metadata, Mamba/SWA state) are left to SGLang.
+  (metadata, Mamba state) are left to SGLang.
+- A state component that is the buffers of a pool safeview read (an ``SWAKVPool``'s window KV,
+  SGLang's ``swa`` state: ``_State``) is checked at registration, described into a manifest of
+  its own (layers ``swa.layers.N``) that travels beside the KV manifest both ways (frame
+  ``safeview.state:swa:``) and is judged by the KV's rule, and its rows are judged in transfer
+  in the window pages of both sides (D's at the state pointers D registered).
 
 Pairs not judged (an event says why): D sent no manifest (no safeview there), DCP.
 safeview's own failure never stops SGLang: one ``integration_unavailable`` event.
@@ -70,36 +75,66 @@ __all__ = ["MANIFEST_FRAME", "install_manager"]
 MANIFEST_FRAME = b"safeview.manifest:"
 """The prefix of the frame that carries a manifest: D's in SGLang's registration message, P's
 in the message P sends back to a D that sent one."""
+STATE_FRAME = b"safeview.state:"
+"""The prefix of a frame beside the manifest's that carries a state component's manifest (an
+``SWAKVPool``'s window KV): ``safeview.state:<state type>:`` and the manifest's wire form."""
 
 _PATCHED = "__safeview_guarded__"
 _STATE = "_safeview_state"
 _SGLANG_FRAMES = 20  # KVArgsRegisterInfo.from_zmq reads msg[0] to msg[19]
 
 
+class _State:
+    """One state component of a manager that is the buffers of a pool safeview read, in order
+    (an ``SWAKVPool``'s window KV, SGLang's ``StateType.SWA``): its place in SGLang's
+    ``state_types``, its kind (``swa``), its pool, its buffers as read at registration (named
+    ``swa.layers.0.k``; forgotten once that registration is checked), its manifest (layers
+    ``swa.layers.0``; ``None`` under off) and that manifest's wire form, made once."""
+
+    __slots__ = ("index", "kind", "listed", "manifest", "pool", "wire")
+
+    def __init__(
+        self, index: int, kind: str, pool: Any, listed: list[Buffer], manifest: Manifest | None
+    ) -> None:
+        self.index = index
+        self.kind = kind
+        self.pool = pool
+        self.listed: list[Buffer] | None = listed
+        self.manifest = manifest
+        self.wire: bytes | None = None
+
+
 class _Side:
     """What safeview knows of one manager: the policy in force when it registered, its pool and
-    its manifest (``None`` when its pool is not one safeview read)."""
+    its manifest (``None`` when its pool is not one safeview read), and its state components
+    that are pools safeview read (``states``, by kind)."""
 
     __slots__ = (
-        "buffers", "listed", "local", "manifest", "peers", "policy", "pool", "refusals", "tables",
-        "wire",
+        "buffers", "kinds", "listed", "local", "manifest", "peers", "policy", "pool", "refusals",
+        "states", "tables", "wire",
     )  # fmt: skip
 
     def __init__(self, policy: Policy, pool: Any, manifest: Manifest | None) -> None:
         self.policy = policy
         self.pool = pool
         self.manifest = manifest
-        self.local: MemoryMap | None = None  # the pool's pages, once P first transfers
-        # the pool's buffers' bytes (start, end, name) by start, and their starts
-        self.buffers: tuple[list[int], list[tuple[int, int, str | None]]] = ([], [])
+        # P's pages, once P first transfers: the pool's, with those of the state kinds named
+        # (the kinds a session's manifests describe on both sides), by those kinds
+        self.local: dict[frozenset[str], MemoryMap] = {}
+        # those pages' buffers' bytes (start, end, name) by start, and their starts, by kinds
+        self.buffers: dict[frozenset[str], tuple[list[int], list[tuple[int, int, str | None]]]]
+        self.buffers = {}
         # P: decode session -> its KV pages (its pointers, its manifest's lengths), and whether
         # SGLang moves whole pages to it (equal attention TP) or slices of them
         self.peers: dict[str, tuple[MemoryMap, bool]] = {}
+        # P: decode session -> the state kinds whose pages its map holds (none: KV only)
+        self.kinds: dict[str, frozenset[str]] = {}
+        self.states: dict[str, _State] = {}
         # D: a prefill rank's "ip:port" -> why its transfers are refused (strict only)
         self.refusals: dict[str, str] = {}
         # P: the pool's pages (key None) and each session's, as sorted columns (_Pages), with
         # the map each was made from
-        self.tables: dict[str | None, tuple[MemoryMap, _Pages]] = {}
+        self.tables: dict[Any, tuple[MemoryMap, _Pages]] = {}
         self.wire: bytes | None = None  # the manifest's wire form, made once
         # the pool's buffers as read when the side was made (at registration), for that
         # registration's check, which then forgets them (a later one reads them anew)
@@ -145,8 +180,53 @@ def _side(manager: Any) -> _Side:
             step_aside("pool not described", f"{type(error).__name__}: {error}")
     known = _Side(policy, pool, manifest)
     known.listed = listed
+    if pool is not None:
+        known.states = _states(manager, pool, policy)
     setattr(manager, _STATE, known)
     return known
+
+
+def _states(manager: Any, kv_pool: Any, policy: Policy) -> dict[str, _State]:
+    """The state components SGLang registers (``kv_args.state_data_ptrs`` and
+    ``state_data_lens``, one list per ``state_types`` entry) that are the buffers of a pool
+    safeview read, all of them in their order, none empty (an ``SWAKVPool``'s sliding-window
+    pool: ``get_state_buf_infos`` hands SGLang that pool's ``get_contiguous_buf_infos``), each
+    read once, its buffers named ``<state type>.<buffer>`` (``swa.layers.0.k``) and, unless
+    policy is off, described (layers ``swa.layers.0``). Any other component (Mamba states, DSA,
+    block scales, a list that is not such a pool's buffers in order, an empty region, which
+    SGLang does not register) is left as SGLang leaves it alone, said once per process and kind
+    with an ``integration_unavailable`` event."""
+    kv_args = manager.kv_args
+    kinds = list(getattr(kv_args, "state_types", None) or ())
+    lengths_of = list(getattr(kv_args, "state_data_lens", None) or ())
+    found: dict[str, _State] = {}
+    for index, pointers in enumerate(getattr(kv_args, "state_data_ptrs", None) or ()):
+        kind = kinds[index] if index < len(kinds) else f"state{index}"
+        kind = str(getattr(kind, "value", kind))
+        lengths = list(lengths_of[index]) if index < len(lengths_of) else []
+        rows = list(zip(pointers or (), lengths))
+        pool = pool_of([int(rows[0][0])]) if rows else None
+        listed = (
+            pool_buffers(pool, prefix=f"{kind}.")
+            if pool is not None and pool is not kv_pool and kind not in found
+            else []
+        )
+        pointers_of = [int(b.tensor.data_ptr()) for b in listed]
+        if not rows or pointers_of != [int(r[0]) for r in rows] or min(r[1] for r in rows) <= 0:
+            step_aside(
+                f"{kind} state regions left unchecked",
+                "they are not the buffers of a pool safeview read, in order (only an SWA "
+                "pool's window KV is): SGLang registers and moves them as it would alone",
+            )
+            continue
+        manifest = None
+        if policy is not Policy.OFF:
+            try:
+                manifest = describe_pool(pool, topology=_topology(manager), buffers=listed)
+            except Exception as error:  # checked at registration all the same, not judged
+                step_aside(f"{kind} state not described", f"{type(error).__name__}: {error}")
+        found[kind] = _State(index, kind, pool, listed, manifest)
+    return found
 
 
 def check_registration(manager: Any, side: _Side) -> None:
@@ -182,37 +262,15 @@ def _check_regions(
 
 
 def _check_state(kv_args: Any, side: _Side) -> None:
-    """The regions of each state component SGLang registers (``kv_args.state_data_ptrs`` and
-    ``state_data_lens``, one list per ``state_types`` entry) checked as the KV regions are, where
-    the component is the buffers of a pool safeview read, all of them in their order (an
-    ``SWAKVPool``'s sliding-window pool: ``get_state_buf_infos`` hands SGLang that pool's
-    ``get_contiguous_buf_infos``), its buffers named ``<state type>.<buffer>``
-    (``swa.layers.0.k``). Any other component (Mamba states, DSA, block scales, a list that is
-    not such a pool's buffers in order) is registered as SGLang registers it alone, said once
-    per process and kind with an ``integration_unavailable`` event (so is a component with an
-    empty region, which SGLang does not register)."""
-    kinds = list(getattr(kv_args, "state_types", None) or ())
+    """The regions of each state component that is a pool safeview read (``_states``) checked
+    inside its buffers as the KV regions are, the buffers named ``<state type>.<buffer>``
+    (``swa.layers.0.k``); the buffers are those read when the side was made, else read now."""
     lengths_of = list(getattr(kv_args, "state_data_lens", None) or ())
-    for index, pointers in enumerate(getattr(kv_args, "state_data_ptrs", None) or ()):
-        kind = kinds[index] if index < len(kinds) else f"state{index}"
-        kind = str(getattr(kind, "value", kind))
-        lengths = list(lengths_of[index]) if index < len(lengths_of) else []
-        rows = list(zip(pointers or (), lengths))
-        pool = pool_of([int(rows[0][0])]) if rows else None
-        buffers = pool_buffers(pool) if pool is not None and pool is not side.pool else []
-        pointers_of = [int(b.tensor.data_ptr()) for b in buffers]
-        if not rows or pointers_of != [int(r[0]) for r in rows] or min(r[1] for r in rows) <= 0:
-            step_aside(
-                f"{kind} state regions left unchecked",
-                "they are not the buffers of a pool safeview read, in order (only an SWA "
-                "pool's window KV is): SGLang registers them as it would alone",
-            )
-            continue
-        named = [
-            Buffer(f"{kind}.{b.name}", b.tensor, b.item_bytes, b.pages, b.geometry, b.facts)
-            for b in buffers
-        ]
-        _check_regions(rows, named, pool, side.policy)
+    for state in side.states.values():
+        listed, state.listed = state.listed, None  # read for this registration only
+        buffers = listed or pool_buffers(state.pool, prefix=f"{state.kind}.")
+        rows = list(zip(kv_args.state_data_ptrs[state.index], lengths_of[state.index]))
+        _check_regions(rows, buffers, state.pool, side.policy)
 
 
 def _inside_buffers(rows: list[tuple[Any, Any]], buffers: list[Buffer]) -> bool:
@@ -264,6 +322,8 @@ def _register_buffer_to_engine(original: Any) -> Any:
             if side.pool is not None and side.policy is not Policy.OFF:
                 check_registration(self, side)
             side.listed = None  # read for this registration only
+            for state in side.states.values():
+                state.listed = None
         except AddressError:
             raise  # a finding, under strict: the start-up stops with its numbers
         except Exception as error:  # safeview's own failure, or an SGLang it does not know
@@ -288,6 +348,7 @@ def _build_receiver_registration_message(original: Any) -> Any:
             side = _side(self)
             if side.manifest is not None and side.policy is not Policy.OFF:
                 message = [*message, MANIFEST_FRAME + _own_wire(side, side.manifest)]
+                message += _state_frames(side)
         except Exception as error:
             step_aside("manifest not sent", f"{type(error).__name__}: {error}")
         return message
@@ -308,11 +369,34 @@ def _from_zmq(original: Any) -> Any:
                 if isinstance(frame, bytes) and frame.startswith(MANIFEST_FRAME)
             ]
             info._safeview_manifest = carried[-1] if carried else None
+            info._safeview_states = _carried_states(msg[_SGLANG_FRAMES:])
         except Exception as error:
             step_aside("peer manifest not read", f"{type(error).__name__}: {error}")
         return info
 
     return classmethod(from_zmq)
+
+
+def _state_frames(side: _Side) -> list[bytes]:
+    """A frame per state component the side described: ``safeview.state:<kind>:`` and its
+    manifest's wire form (made once)."""
+    frames = []
+    for state in side.states.values():
+        if state.manifest is not None:
+            if state.wire is None:
+                state.wire = to_wire(state.manifest)
+            frames.append(STATE_FRAME + state.kind.encode("ascii") + b":" + state.wire)
+    return frames
+
+
+def _carried_states(frames: Any) -> dict[str, bytes]:
+    """The state manifests ``frames`` carry (``_state_frames``), by kind, as wire bytes."""
+    carried: dict[str, bytes] = {}
+    for frame in frames:
+        if isinstance(frame, bytes) and frame.startswith(STATE_FRAME):
+            kind, _, wire = frame[len(STATE_FRAME) :].partition(b":")
+            carried[kind.decode("ascii", "replace")] = wire
+    return carried
 
 
 def refusal_text(
@@ -411,24 +495,19 @@ def judge_decode_peer(
         reason = "the decode peer sent no manifest (no safeview there)"
     elif int(getattr(info, "dst_dcp_size", 1) or 1) > 1 or int(manager.dcp_size or 1) > 1:
         reason = "decode context parallelism: not modelled yet"
+    side.peers.pop(session, None)
+    side.kinds.pop(session, None)
     if reason is not None or raw is None:
-        side.peers.pop(session, None)
         return judge_peer(mine, None, against=None, fields=fields, reason=reason,
                           policy=side.policy), None  # fmt: skip
     try:
         theirs = from_wire(raw, peer=f"sglang decode session {session}")
     except ManifestError as bad:  # truncated, forged, another schema: refused under strict
-        side.peers.pop(session, None)
         judge_peer(mine, None, against="handshake", fields=fields, policy=side.policy,
                    reason=f"the decode peer's manifest cannot be judged: {bad}")  # fmt: skip
         return (bad if side.policy is Policy.STRICT else None), None
     same_tp = int(info.dst_attn_tp_size) == mine.topology.tp_size
-    peer = peer_memory_map(theirs, [int(p) for p in info.dst_kv_ptrs])
-    if peer is not None:
-        side.peers[session] = (peer, same_tp)
-    else:
-        side.peers.pop(session, None)
-    return judge_pair(
+    verdict = judge_pair(
         mine,
         theirs,
         sender_tp=(mine.topology.tp_rank, mine.topology.tp_size),
@@ -441,6 +520,92 @@ def judge_decode_peer(
                 "tp_rank": theirs.topology.tp_rank, "tp_size": theirs.topology.tp_size},
         policy=side.policy,
     )  # fmt: skip
+    peer = peer_memory_map(theirs, [int(p) for p in info.dst_kv_ptrs])
+    maps, kinds = [peer], []
+    for state in side.states.values():
+        error, copy, pages = _judge_decode_state(manager, side, state, session, info, fields)
+        if verdict[0] is None and error is not None:
+            verdict = error, copy
+        if pages is not None:
+            maps.append(pages)
+            kinds.append(state.kind)
+    if peer is not None:
+        side.peers[session] = (merged_maps([("", m) for m in maps]) if kinds else peer, same_tp)
+        side.kinds[session] = frozenset(kinds)
+    return verdict
+
+
+def _judge_decode_state(
+    manager: Any, side: _Side, state: _State, session: str, info: Any, fields: dict[str, Any]
+) -> tuple[SafeViewError | None, SliceCopy | None, MemoryMap | None]:
+    """P's verdict on the decode peer's manifest of one state component against P's (as
+    ``judge_pair`` judges the KV: SGLang moves the window KV page by page at equal attention TP,
+    by ``_send_swa_state_slice``'s head runs otherwise), and D's pages of it as P's writes must
+    hit them: at the pointers D registered for the component SGLang pairs with P's (the same
+    place in ``state_types``), with the lengths of D's manifest. A D that described no such
+    state is ``not_judged`` (its rows then go as SGLang sends them); so is one whose pointers
+    do not pair with its manifest."""
+    mine = state.manifest
+    if mine is None:
+        return None, None, None
+    kind, index = state.kind, state.index
+    fields = {**fields, "fingerprint": mine.fingerprint}
+    raw = (getattr(info, "_safeview_states", None) or {}).get(kind)
+    if raw is None:
+        judge_peer(
+            mine,
+            None,
+            against=None,
+            fields=fields,
+            policy=side.policy,
+            reason=f"the decode peer described no {kind} state: its rows are SGLang's",
+        )
+        return None, None, None  # fmt: skip
+    try:
+        theirs = from_wire(raw, peer=f"sglang decode session {session} ({kind} state)")
+    except ManifestError as bad:
+        judge_peer(
+            mine,
+            None,
+            against="handshake",
+            fields=fields,
+            policy=side.policy,
+            reason=f"the decode peer's {kind} state manifest cannot be judged: {bad}",
+        )
+        return (bad if side.policy is Policy.STRICT else None), None, None  # fmt: skip
+    registered, lengths = info.dst_state_data_ptrs, info.dst_state_item_lens
+    pointers = list(registered[index]) if index < len(registered) else []
+    items = list(lengths[index]) if index < len(lengths) else []
+    item = int(items[0]) if items else int(manager.kv_args.state_item_lens[index][0])
+    error, copy = judge_pair(
+        mine,
+        theirs,
+        sender_tp=(mine.topology.tp_rank, mine.topology.tp_size),
+        receiver_tp=(int(info.dst_tp_rank), int(info.dst_attn_tp_size)),
+        total_heads=mine.topology.total_kv_heads,
+        page_size=int(manager.kv_args.page_size),
+        receiver_item_bytes=item,
+        fields={**fields, "engine": theirs.topology.engine, "fingerprint": theirs.fingerprint,
+                "remote_engine": mine.topology.engine, "remote_tp_size": mine.topology.tp_size,
+                "tp_rank": theirs.topology.tp_rank, "tp_size": theirs.topology.tp_size},
+        policy=side.policy,
+    )  # fmt: skip
+    pages = peer_memory_map(theirs, [int(p) for p in pointers], storage=f"decode.{kind}")
+    return error, copy, pages
+
+
+def merged_maps(maps: list[tuple[str, MemoryMap | None]]) -> MemoryMap:
+    """One memory map of several (the KV pages and those of state components), each given
+    with what its storages' names start with there (``swa.`` makes ``swa.storage0``)."""
+    storages: list[StorageSpan] = []
+    views: list[ViewSpan] = []
+    for prefix, memory in maps:
+        if memory is None:
+            continue
+        names = {storage.name: f"{prefix}{storage.name}" for storage in memory.storages}
+        storages += [storage._replace(name=names[storage.name]) for storage in memory.storages]
+        views += [view._replace(storage=names[view.storage]) for view in memory.views]
+    return MemoryMap(tuple(storages), tuple(views))
 
 
 def judge_prefill_peer(manager: Any, msg: list[bytes]) -> None:
@@ -486,6 +651,15 @@ def judge_prefill_peer(manager: Any, msg: list[bytes]) -> None:
             fields=fields,
             policy=side.policy,
         )
+    carried = _carried_states(msg[5:])
+    for state in side.states.values():
+        if state.manifest is None:
+            continue
+        state_error, state_copy = _judge_prefill_state(
+            manager, side, state, carried.get(state.kind), endpoint, prefill_tp, fields
+        )
+        if error is None and state_error is not None:
+            error, copy = state_error, state_copy
     if error is None:
         side.refusals.pop(endpoint, None)
         return
@@ -494,6 +668,50 @@ def judge_prefill_peer(manager: Any, msg: list[bytes]) -> None:
         prefill_item_bytes=prefill_item,
         decode_item_bytes=int(manager.kv_args.kv_item_lens[0]),
         copy=copy,
+    )
+
+
+def _judge_prefill_state(
+    manager: Any,
+    side: _Side,
+    state: _State,
+    raw: bytes | None,
+    endpoint: str,
+    prefill_tp: tuple[int, int],
+    fields: dict[str, Any],
+) -> tuple[SafeViewError | None, SliceCopy | None]:
+    """D's verdict on the prefill rank's manifest of one state component (``raw``, ``None``
+    when P described none: ``not_judged``) against D's own, as P judges it."""
+    mine = state.manifest
+    assert mine is not None
+    fields = {**fields, "fingerprint": mine.fingerprint}
+    if raw is None:
+        judge_peer(mine, None, against=None, fields=fields, policy=side.policy,
+                   reason=f"the prefill peer described no {state.kind} state")  # fmt: skip
+        return None, None
+    try:
+        theirs = from_wire(raw, peer=f"sglang prefill {endpoint} ({state.kind} state)")
+    except ManifestError as bad:
+        judge_peer(
+            mine,
+            None,
+            against="handshake",
+            fields=fields,
+            policy=side.policy,
+            reason=f"the prefill peer's {state.kind} state manifest cannot be judged: {bad}",
+        )
+        return (bad if side.policy is Policy.STRICT else None), None  # fmt: skip
+    items = manager.kv_args.state_item_lens[state.index]
+    return judge_pair(
+        theirs,
+        mine,
+        sender_tp=prefill_tp,
+        receiver_tp=(mine.topology.tp_rank, mine.topology.tp_size),
+        total_heads=theirs.topology.total_kv_heads,
+        page_size=int(manager.kv_args.page_size),
+        receiver_item_bytes=int(items[0]),
+        fields=fields,
+        policy=side.policy,
     )
 
 
@@ -522,15 +740,19 @@ def send_manifest_to_decode(manager: Any, info: Any) -> None:
         str(int(manager.kv_args.kv_item_lens[0])).encode("ascii"),
         str(int(manager.attn_tp_rank)).encode("ascii"),
         str(int(manager.attn_tp_size)).encode("ascii"),
+        *_state_frames(side),
     ]
     manager._send_multipart_locked(address.to_tcp(), frames, is_ipv6=address.is_ipv6)
 
 
-def peer_memory_map(manifest: Manifest, pointers: list[int]) -> MemoryMap | None:
+def peer_memory_map(
+    manifest: Manifest, pointers: list[int], *, storage: str = "decode"
+) -> MemoryMap | None:
     """D's KV pages as P's writes must hit them: each buffer at the pointer D registered
     (SGLang's order: every K, then every V; an MLA pool's one per layer), its pages as long
     and as far apart as D's manifest says (SGLang sends no region lengths). ``None`` when the
-    manifest and the pointers do not pair up."""
+    manifest and the pointers do not pair up. ``storage``: what the storages' names start
+    with."""
     keys: list[tuple[str, Layer]] = []
     values: list[tuple[str, Layer]] = []
     for name, layer in manifest.layers.items():
@@ -545,8 +767,9 @@ def peer_memory_map(manifest: Manifest, pointers: list[int]) -> MemoryMap | None
     if len(buffers) > len(pointers):
         return None
     storages, views = [], []
+    prefix = storage
     for index, ((name, layer), pointer) in enumerate(zip(buffers, pointers)):
-        storage = f"decode{index}"
+        storage = f"{prefix}{index}"
         extent = layer.num_blocks * layer.block_stride_bytes
         storages.append(StorageSpan(storage, int(pointer), extent, "peer"))
         views.append(
@@ -569,8 +792,9 @@ def check_transfer(manager: Any, side: _Side, session: str, blocks: Any) -> bool
     if known is None or side.pool is None:
         return True
     peer, whole_pages = known
-    local = _local_map(side)
-    starts, spans = side.buffers
+    kinds = side.kinds.get(session, frozenset())
+    local = _local_map(side, kinds)
+    starts, spans = side.buffers[kinds]
     spans_of_storages = [(s.address, s.address + s.nbytes) for s in local.storages]
     kv_rows = [
         (int(src), int(dst), int(length))
@@ -595,17 +819,28 @@ def check_transfer(manager: Any, side: _Side, session: str, blocks: Any) -> bool
     return True
 
 
-def _local_map(side: _Side) -> MemoryMap:
-    """P's pool pages as a memory map, made at the first transfer and kept."""
-    local = side.local
+def _local_map(side: _Side, kinds: frozenset[str] = frozenset()) -> MemoryMap:
+    """P's pool pages as a memory map, with those of the state components ``kinds`` (their
+    buffers named ``swa.layers.0.k``, as D's manifest names D's), made at the first transfer
+    that needs it and kept."""
+    local = side.local.get(kinds)
     if local is None:
-        local = side.local = pool_memory_map(side.pool)
-        side.buffers = _buffer_spans(local)
+        local = pool_memory_map(side.pool)
+        if kinds:
+            maps: list[tuple[str, MemoryMap | None]] = [("", local)]
+            for kind in sorted(kinds):
+                pool = side.states[kind].pool
+                buffers = pool_buffers(pool, prefix=f"{kind}.")
+                maps.append((f"{kind}.", pool_memory_map(pool, buffers=buffers)))
+            local = merged_maps(maps)
+        side.local[kinds] = local
+        side.buffers[kinds] = _buffer_spans(local)
     return local
 
 
-def _table(side: _Side, key: str | None, memory: MemoryMap) -> _Pages:
-    """``memory`` as ``_Pages``, made once per map (``key``: the session, ``None`` for P's)."""
+def _table(side: _Side, key: Any, memory: MemoryMap) -> _Pages:
+    """``memory`` as ``_Pages``, made once per map (``key``: the session, or the state kinds
+    P's own map holds, as a tuple ``(None, kinds)``)."""
     known = side.tables.get(key)
     if known is None or known[0] is not memory:
         known = side.tables[key] = (memory, _Pages(memory))
@@ -704,7 +939,8 @@ def _proven_rows(side: _Side, session: str, sources: Any, destinations: Any, len
         len(sent) == len(received) == len(counts)
     ):
         return False
-    mine = _table(side, None, _local_map(side))
+    kinds = side.kinds.get(session, frozenset())
+    mine = _table(side, (None, kinds), _local_map(side, kinds))
     kv = mine.in_storages(sent)
     if not kv.any():
         return True  # rows of no pool safeview read (metadata, state): SGLang's
