@@ -21,6 +21,7 @@ import safeview.manifest._model as model
 import safeview.sglang
 from safeview.errors import AddressError
 from safeview.manifest import Layer, Manifest
+from safeview.manifest.wire import to_wire
 from safeview.policy import Policy
 from safeview.sglang import _mooncake as mooncake
 from safeview.sglang import describe_pool, pool_buffers, pool_memory_map
@@ -297,9 +298,9 @@ def _decode_registration(decode: Any, window: Any | None) -> Any:
         buffers = pool_buffers(window, prefix="swa.")
         pointers = [[int(b.tensor.data_ptr()) for b in buffers]]
         items = [[int(b.item_bytes) for b in buffers]]
-        states["swa"] = mooncake.to_wire(describe_pool(window, prefix="swa."))
+        states["swa"] = to_wire(describe_pool(window, prefix="swa."))
     return types.SimpleNamespace(
-        _safeview_manifest=mooncake.to_wire(describe_pool(decode)), _safeview_states=states,
+        _safeview_manifest=to_wire(describe_pool(decode)), _safeview_states=states,
         dst_kv_ptrs=[int(b.tensor.data_ptr()) for b in pool_buffers(decode)],
         dst_state_data_ptrs=pointers, dst_state_item_lens=items, dst_tp_rank=0,
         dst_attn_tp_size=1, dst_kv_item_len=ITEM, dst_dcp_size=1,
