@@ -354,11 +354,11 @@ def prefill(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
             else:
                 _pattern(kv, pages)
             result["sent"] = _page_bytes(kv, pages)
-            window = None  # a window pool's pages go as SGLang's SWA state, on the last chunk
+            window = None  # a window's pages, a Mamba slot: SGLang's state, on the last chunk
             if "src_state_pages" in case:
                 window = [list(case["src_state_pages"])]
-                _pattern(pool.swa_kv_pool, window[0], salt=5)
-                result["state_sent"] = _page_bytes(pool.swa_kv_pool, window[0])
+                _state_pattern(pool, window[0])
+                result["state_sent"] = _state_bytes(pool, window[0])
             if case.get("digest_fault"):
                 _digest_fault(case["digest_fault"], room)
             sender.init(len(pages), 0)
@@ -529,8 +529,8 @@ def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
         result["received"] = _page_bytes(_kv_of(pool), pages)
         result["nonzero_bytes"] = _nonzero(_kv_of(pool))
         if window is not None:  # the window pool: its pages D asked for, and any byte at all
-            result["state_received"] = _page_bytes(pool.swa_kv_pool, window[0])
-            result["state_nonzero_bytes"] = _nonzero(pool.swa_kv_pool)
+            result["state_received"] = _state_bytes(pool, window[0])
+            result["state_nonzero_bytes"] = _state_nonzero(pool)
         if _FRAMES:
             result["frames"] = sorted(set(_FRAMES))
         if forged:
@@ -619,9 +619,103 @@ def _window_pool(side: dict[str, Any] | None = None) -> Any:
     )  # fmt: skip
 
 
+MAMBA_SLOTS = 8  # a Mamba pool's request slots (and SGLang's padded one)
+
+
+def _mamba_pool(side: dict[str, Any] | None = None) -> Any:
+    """SGLang's Mamba hybrid pool (``HybridLinearKVPool`` over a ``MambaPool``) on CPU: 2
+    full-attention layers (ids 1 and 3) of 4 heads of 16 bf16 values and 2 Mamba2 layers (ids
+    0 and 2: a conv state of 40 channels by 3 and a temporal state of 4 heads of 8 by 4, bf16
+    and float32, SGLang's own shapes for that model); ``side``'s ``conv_dtype`` another conv
+    dtype."""
+    import torch
+    from sglang.srt.configs.mamba_utils import (  # type: ignore[import-not-found,unused-ignore]
+        Mamba2CacheParams,
+        Mamba2StateDType,
+        Mamba2StateShape,
+    )
+    from sglang.srt.mem_cache.memory_pool import (  # type: ignore[import-not-found,unused-ignore]
+        HybridLinearKVPool,
+        MambaPool,
+    )
+
+    side = side or {}
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=4, head_dim=8,
+        state_size=4, conv_kernel=4,
+    )  # fmt: skip
+    dtype = Mamba2StateDType(
+        conv=getattr(torch, side.get("conv_dtype", "bfloat16")), temporal=torch.float32
+    )
+    params = Mamba2CacheParams(shape=shape, layers=[0, 2], dtype=dtype)
+    mamba = MambaPool(
+        size=MAMBA_SLOTS, spec_state_size=0, cache_params=params, mamba_layer_ids=[0, 2],
+        device="cpu",
+    )  # fmt: skip
+    return HybridLinearKVPool(
+        size=POOL_TOKENS, dtype=torch.bfloat16, page_size=PAGE_SIZE, head_num=4, head_dim=16,
+        full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=mamba,
+    )  # fmt: skip
+
+
 def _side_pool(side: dict[str, Any]) -> Any:
-    """The pool a side of a case has: an ``SWAKVPool`` with ``window``, else an MHA pool."""
-    return _window_pool(side) if side.get("window") else _pool(side)
+    """The pool a side of a case has: an ``SWAKVPool`` with ``window``, a Mamba hybrid with
+    ``mamba``, else an MHA pool."""
+    if side.get("window"):
+        return _window_pool(side)
+    return _mamba_pool(side) if side.get("mamba") else _pool(side)
+
+
+def _state_tensors(pool: Any) -> list[Any]:
+    """The ``[slots or slot pages, ...]`` state tensors SGLang registers as the pool's state,
+    in its order: a window pool's K then V buffers, or a Mamba pool's state entries."""
+    if hasattr(pool, "swa_kv_pool"):
+        return [*pool.swa_kv_pool.k_buffer, *pool.swa_kv_pool.v_buffer]
+    return [entry[1] for entry in pool.mamba_pool._iter_transfer_state_entries()]
+
+
+def _state_rows(pool: Any) -> int:
+    """How many of a state tensor's first-axis rows make one of SGLang's state indices."""
+    return PAGE_SIZE if hasattr(pool, "swa_kv_pool") else 1
+
+
+def _rows_of(tensor: Any) -> Any:
+    """A ``[rows, ...]`` tensor's rows as bytes, ``[rows, row bytes]``, whatever the order of
+    the dimensions inside a row (SGLang lays a Mamba conv state out otherwise on AMX CPUs)."""
+    import torch
+
+    size = tensor.element_size()
+    whole = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    width = tensor.stride(0) * size
+    return whole.as_strided((tensor.shape[0], width), (width, 1), tensor.storage_offset() * size)
+
+
+def _state_pattern(pool: Any, pages: list[int]) -> None:
+    """Distinct bytes into ``pages`` (window pages, Mamba slots) of every state tensor."""
+    import torch
+
+    rows = _state_rows(pool)
+    for index, tensor in enumerate(_state_tensors(pool)):
+        raw = _rows_of(tensor)
+        for page in pages:
+            part = raw[page * rows : (page + 1) * rows]
+            values = torch.arange(part.numel(), dtype=torch.int64) * 11 + index * 29 + page * 7
+            part.copy_((values % 249 + 3).to(torch.uint8).view(part.shape))
+
+
+def _state_bytes(pool: Any, pages: list[int]) -> list[str]:
+    """Each state tensor's ``pages`` as hex, in registration order (a page past it: empty)."""
+    rows = _state_rows(pool)
+    found = []
+    for tensor in _state_tensors(pool):
+        raw = _rows_of(tensor)
+        parts = [raw[p * rows : (p + 1) * rows].contiguous().numpy().tobytes() for p in pages]
+        found.append(b"".join(parts).hex())
+    return found
+
+
+def _state_nonzero(pool: Any) -> int:
+    return int(sum(int((_rows_of(t) != 0).sum()) for t in _state_tensors(pool)))
 
 
 def _kv_of(pool: Any) -> Any:
@@ -651,6 +745,18 @@ def state_pools() -> None:
     result["window_is_state"] = [
         int(t.data_ptr()) for t in [*pool.swa_kv_pool.k_buffer, *pool.swa_kv_pool.v_buffer]
     ] == [int(p) for p in state[0]]
+    # a Mamba hybrid: its states as SGLang registers them, and as safeview reads them
+    hybrid = _mamba_pool()
+    pointers, _lengths, items = hybrid.get_state_buf_infos()
+    mamba = safeview.sglang.describe_pool(hybrid)
+    states = {n: layer for n, layer in mamba.layers.items() if n.startswith("mamba.")}
+    result["mamba_layers"] = list(states)
+    result["mamba_pages"] = [[layer.num_blocks, layer.chunk_bytes] for layer in states.values()]
+    result["mamba_items"] = [int(item) for item in items]
+    result["mamba_is_state"] = [
+        int(b.tensor.data_ptr()) for b in safeview.sglang.pool_buffers(hybrid.mamba_pool)
+    ] == [int(p) for p in pointers]
+    result["mamba_kinds"] = sorted({layer.kind for layer in states.values()})
     result["events"] = _new_events()
     print(json.dumps(result), flush=True)
     os._exit(0)

@@ -395,7 +395,7 @@ def test_describe_pool_reads_sglangs_own_pools_off_their_strides_checked_against
         assert _decode_page_bytes(document) == [], document["case"]
 
 
-def test_a_sliding_window_pool_is_read_as_its_full_attention_kv_and_its_window_kv() -> None:
+def test_a_window_pool_and_a_mamba_hybrid_are_read_as_their_kv_and_their_state() -> None:
     (found,) = _run("state_pools", 0, [], _installed("strict"))
     # SGLang registers the full-attention pool's buffers as the KV regions and the window
     # pool's, in their order, as its "swa" state: safeview reads both (the plugin remembers
@@ -406,77 +406,119 @@ def test_a_sliding_window_pool_is_read_as_its_full_attention_kv_and_its_window_k
     assert found["full_layers"] == ["layers.0", "layers.1"]
     assert found["layers"] == ["layers.0", "layers.1", "swa.layers.0", "swa.layers.1"]
     assert found["parts_agree"]
+    # a Mamba hybrid (HybridLinearKVPool over a MambaPool): each state tensor SGLang registers,
+    # in its order, a state layer of one page per request slot, SGLang's item length
+    assert found["mamba_is_state"]
+    assert found["mamba_layers"] == [
+        "mamba.conv.layers.0", "mamba.conv.layers.2",
+        "mamba.temporal.layers.0", "mamba.temporal.layers.2",
+    ]  # fmt: skip
+    assert found["mamba_kinds"] == ["state"]
+    assert (
+        [chunk for _, chunk in found["mamba_pages"]]
+        == found["mamba_items"]
+        == [240] * 2 + [512] * 2
+    )  # conv 40 x 3 bf16, temporal 4 x 8 x 4 float32
+    assert {pages for pages, _ in found["mamba_pages"]} == {9}  # 8 slots and the padded one
     assert not [e for e in found["events"] if e["event"] == "integration_unavailable"]
 
 
-# SGLang's SWA state (an SWAKVPool's window KV, sent by maybe_send_extra on the last chunk): P's
-# window pages 1 and 2 into D's 4 and 6, its KV pages 1 and 2 into D's 3 and 5
-WINDOW = {"window": True}
-WINDOW_CASES: list[dict[str, Any]] = [
-    {"name": "window_equal", "decode": WINDOW},
-    # the same bytes a window page (SGLang's own state check passes it), 8 heads of 8
-    {"name": "window_heads", "decode": {**WINDOW, "window_heads": 8, "window_head_dim": 8}},
-    # D names a window page past its window pool (9 pages)
-    {"name": "window_past", "decode": WINDOW, "dst_state_pages": [4, 20]},
-]
-for _case in WINDOW_CASES:
-    _case.update(prefill=WINDOW, src_pages=[1, 2], dst_pages=[3, 5], src_state_pages=[1, 2])
-    _case.setdefault("dst_state_pages", [4, 6])
+# SGLang's state (sent by maybe_send_extra on the last chunk): an SWAKVPool's window KV, P's
+# window pages 1 and 2 into D's 4 and 6; a Mamba hybrid's conv and temporal states, P's request
+# slot 2 into D's 5. Each beside KV pages 1 and 2 into D's 3 and 5. Per kind: D's side for the
+# case of another meaning (the same bytes a page or slot, which SGLang's own checks pass), and
+# a page past D's state pool (the window's 9 pages; the Mamba pool's 9 slots).
+STATE_KINDS: dict[str, dict[str, Any]] = {
+    "swa": {
+        "side": {"window": True},
+        "other": {"window_heads": 8, "window_head_dim": 8},
+        "pages": ([1, 2], [4, 6]),
+        "past": [4, 20],
+        "said": "safeview: swa.layers.0: receiver page byte 16 reads K token 0 head 1 element 0",
+        "layer": "swa.layers.",
+    },
+    "mamba": {
+        "side": {"mamba": True},
+        "other": {"conv_dtype": "float16"},
+        "pages": ([2], [5]),
+        "past": [12],
+        "said": "safeview: mamba.conv.layers.0: the receiver reads float16, the sender wrote "
+        "bfloat16",
+        "layer": "mamba.",
+    },
+}
+
+
+def _state_cases(kind: str) -> list[dict[str, Any]]:
+    known = STATE_KINDS[kind]
+    side, (sent, received) = known["side"], known["pages"]
+    cases: list[dict[str, Any]] = [
+        {"name": "equal", "decode": side},
+        {"name": "other", "decode": {**side, **known["other"]}},
+        {"name": "past", "decode": side, "dst_state_pages": known["past"]},
+    ]
+    for case in cases:
+        case.update(prefill=side, src_pages=[1, 2], dst_pages=[3, 5], src_state_pages=sent)
+        case.setdefault("dst_state_pages", received)
+    return cases
 
 
 @pytest.mark.slow
-def test_a_window_pools_state_slices_are_judged_as_its_kv_at_both_sides() -> None:
+@pytest.mark.parametrize("kind", sorted(STATE_KINDS))
+def test_a_pools_state_is_judged_as_its_kv_at_both_sides_and_in_transfer(kind: str) -> None:
+    cases, known = _state_cases(kind), STATE_KINDS[kind]
     with ThreadPoolExecutor(3) as pool:
-        strict = pool.submit(_pair, WINDOW_CASES, _installed("strict"), _installed("strict"))
-        warned = pool.submit(_pair, WINDOW_CASES, _installed("warn"), _installed("warn"))
-        alone = pool.submit(_pair, WINDOW_CASES, ALONE, ALONE)
+        strict = pool.submit(_pair, cases, _installed("strict"), _installed("strict"))
+        warned = pool.submit(_pair, cases, _installed("warn"), _installed("warn"))
+        alone = pool.submit(_pair, cases, ALONE, ALONE)
         (prefill, decode), (warn_prefill, warn_decode) = strict.result(), warned.result()
         alone_prefill, alone_decode = alone.result()
-    # equal: SGLang moved the KV pages and the window pages, byte for byte
-    assert prefill["window_equal"]["state"] == decode["window_equal"]["state"] == "Success"
-    assert decode["window_equal"]["received"] == prefill["window_equal"]["sent"]
-    assert decode["window_equal"]["state_received"] == prefill["window_equal"]["state_sent"]
-    assert decode["window_equal"]["state_nonzero_bytes"] > 0
-    # another window head shape, the same bytes a page: SGLang alone moves it (D's window then
-    # holds P's bytes read as other heads); safeview refuses the session at P, naming the
-    # window's layer and first byte, before a byte moves
-    assert alone_prefill["window_heads"]["state"] == alone_decode["window_heads"]["state"]
-    assert alone_decode["window_heads"]["state"] == "Success"
-    assert alone_decode["window_heads"]["state_received"] == prefill["window_heads"]["state_sent"]
-    reason = prefill["window_heads"]["reason"]
-    assert prefill["window_heads"]["state"] == decode["window_heads"]["state"] == "Failed"
-    assert "safeview: swa.layers.0" in reason, reason
-    assert "head" in reason.split("swa.layers.0", 1)[1], reason
-    assert decode["window_heads"]["nonzero_bytes"] == 0
-    assert decode["window_heads"]["state_nonzero_bytes"] == 0
-    # each side judged the other's window manifest at the handshake, as the KV's
+    # equal: SGLang moved the KV pages and the state, byte for byte
+    assert prefill["equal"]["state"] == decode["equal"]["state"] == "Success"
+    assert decode["equal"]["received"] == prefill["equal"]["sent"]
+    assert decode["equal"]["state_received"] == prefill["equal"]["state_sent"]
+    assert decode["equal"]["state_nonzero_bytes"] > 0
+    # another meaning in the same bytes: SGLang alone moves it (D then reads P's bytes as
+    # something else); safeview refuses the session at P, naming the state's layer and what
+    # differs, before a byte moves
+    assert alone_prefill["other"]["state"] == alone_decode["other"]["state"] == "Success"
+    assert alone_decode["other"]["state_received"] == prefill["other"]["state_sent"]
+    reason = prefill["other"]["reason"]
+    assert prefill["other"]["state"] == decode["other"]["state"] == "Failed"
+    assert known["said"] in reason, reason
+    assert decode["other"]["nonzero_bytes"] == 0
+    assert decode["other"]["state_nonzero_bytes"] == 0
+    # each side judged the other's state manifest at the handshake, after the KV's
     for side in (prefill, decode):
         judged = [
-            (e["event"], e.get("layer") or "")
+            (e["event"], (e.get("layer") or "")[: len(known["layer"])])
             for e in side["events"]
             if e["event"] in ("layout_checked", "layout_mismatch")
         ]
-        assert [(event, layer[:4]) for event, layer in judged] == [
-            ("layout_checked", ""), ("layout_checked", ""),  # window_equal: KV, window
-            ("layout_checked", ""), ("layout_mismatch", "swa."),  # window_heads
-            ("layout_checked", ""), ("layout_checked", ""),  # window_past
+        assert judged == [
+            ("layout_checked", ""), ("layout_checked", ""),  # equal: KV, state
+            ("layout_checked", ""), ("layout_mismatch", known["layer"]),  # other
+            ("layout_checked", ""), ("layout_checked", ""),  # past
         ], judged  # fmt: skip
-    # a window page past D's window pool: the state batch is refused before Mooncake runs it
-    # (the KV pages went first, in their own batches); the violation names the window buffer
-    assert prefill["window_past"]["state"] == decode["window_past"]["state"] == "Failed"
-    assert decode["window_past"]["state_nonzero_bytes"] == 0
-    assert decode["window_past"]["received"] == prefill["window_past"]["sent"]
+    # a state page past D's pool: the state batch is refused before Mooncake runs it (the KV
+    # pages went first, in their own batches); the violation names the state's buffer
+    assert prefill["past"]["state"] == decode["past"]["state"] == "Failed"
+    assert decode["past"]["state_nonzero_bytes"] == 0
+    assert decode["past"]["received"] == prefill["past"]["sent"]
     [violation, *_] = [e for e in prefill["events"] if e["event"] == "address_violation"]
-    assert violation["layer"].startswith("swa.layers."), violation
+    assert violation["layer"].startswith(known["layer"]), violation
     assert violation["policy"] == "strict"
-    # under warn each goes on as SGLang alone: the same outcome and the same window bytes (the
-    # row past D's pool: by outcome only, as for the KV's)
-    for case in WINDOW_CASES:
-        name = str(case["name"])
+    # under warn each goes on as SGLang alone: the same outcome and the same state bytes
+    for name in ("equal", "other"):
         assert warn_prefill[name]["state"] == alone_prefill[name]["state"], name
-        if name != "window_past":
-            assert warn_decode[name]["state_received"] == alone_decode[name]["state_received"]
-            assert warn_decode[name]["received"] == alone_decode[name]["received"]
+        assert warn_decode[name]["state_received"] == alone_decode[name]["state_received"]
+        assert warn_decode[name]["received"] == alone_decode[name]["received"]
+    # the page past D's pool: SGLang alone hands Mooncake the batch, and which of its rows land
+    # (in D's registered memory, another layer's state: the violation above) and whether
+    # Mooncake refuses one varies from run to run; under warn the batch goes to Mooncake too
+    # and bytes land in D's state pool; under strict none (above)
+    for side in (alone_decode, warn_decode):
+        assert side["past"]["state_nonzero_bytes"] > 0
     warned_events = [e["event"] for e in warn_prefill["events"]]
     assert "layout_mismatch" in warned_events
     assert "address_violation" in warned_events

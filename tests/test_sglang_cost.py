@@ -350,3 +350,79 @@ def test_window_rows_are_judged_in_the_window_d_described_and_left_where_it_did_
     assert _judged(side, past) == (True, True)
     # the KV rows are judged as before, in the map without the window
     assert _judged(side, [(_page(kv, 0, 1), _page(decode, 0, PAGES), ITEM)]) == (False, False)
+
+
+class _MambaStates:
+    """State tensors laid out as SGLang 0.5.23's ``MambaPool`` lays them out (per field a
+    ``[layers, slots, ...]`` tensor; what SGLang registers is each layer's ``[slots, ...]``)."""
+
+    def __init__(self, conv: torch.Tensor, temporal: torch.Tensor) -> None:
+        self.mamba_cache = types.SimpleNamespace(conv=[conv], temporal=temporal)
+        self.layer_ids = [0, 2]
+
+    def _iter_transfer_state_entries(self) -> Any:
+        for field, tensors in (("conv", self.mamba_cache.conv), ("temporal", [
+            self.mamba_cache.temporal
+        ])):  # fmt: skip
+            for tensor in tensors:
+                for index, layer_id in enumerate(self.layer_ids):
+                    yield field, tensor[index], 0, layer_id
+
+
+def test_a_mamba_pools_states_are_read_a_slot_a_page_and_a_slot_with_gaps_is_refused() -> None:
+    from safeview.errors import ManifestError
+
+    conv = torch.zeros(2, 9, 40, 3, dtype=torch.bfloat16)
+    temporal = torch.zeros(2, 9, 4, 8, 4, dtype=torch.float32)
+    manifest = describe_pool(_MambaStates(conv, temporal), prefix="mamba.")
+    assert list(manifest.layers) == [
+        "mamba.conv.layers.0", "mamba.conv.layers.2",
+        "mamba.temporal.layers.0", "mamba.temporal.layers.2",
+    ]  # fmt: skip
+    first, second = manifest.layers["mamba.conv.layers.0"], manifest.layers["mamba.conv.layers.2"]
+    assert (first.kind, first.num_blocks, first.chunk_bytes) == ("state", 9, 240)
+    assert first.block_stride_bytes == 240
+    assert second.byte_offset == 9 * 240  # the second layer's slots follow the first's
+    assert manifest.layers["mamba.temporal.layers.0"].chunk_bytes == 4 * 8 * 4 * 4
+    # the conv state as SGLang lays it out on AMX CPUs (channels innermost): still one dense
+    # run a slot, read the same
+    amx = conv.as_strided(conv.shape, (conv.stride(0), conv.stride(1), 1, 40))
+    other = describe_pool(_MambaStates(amx, temporal), prefix="mamba.")
+    assert other.layers["mamba.conv.layers.0"].chunk_bytes == 240
+    # a slot that is not one dense run (every other channel): refused, naming the layer
+    gaps = torch.zeros(2, 9, 80, 3, dtype=torch.bfloat16)[:, :, ::2]
+    with pytest.raises(ManifestError, match=r"mamba\.conv\.layers\.0"):
+        describe_pool(_MambaStates(gaps, temporal), prefix="mamba.")
+
+
+def test_mamba_state_at_another_attention_tp_is_not_judged_and_its_rows_left() -> None:
+    conv = torch.zeros(2, 9, 40, 3, dtype=torch.bfloat16)
+    temporal = torch.zeros(2, 9, 4, 8, 4, dtype=torch.float32)
+    mine = describe_pool(_MambaStates(conv, temporal), prefix="mamba.", topology={"tp_size": 1})
+    state = mooncake._State(0, "mamba", None, [], mine)
+    side = mooncake._Side(Policy.STRICT, None, None)
+    theirs = describe_pool(_MambaStates(conv, temporal), prefix="mamba.")
+    info = types.SimpleNamespace(
+        _safeview_states={"mamba": to_wire(theirs)}, dst_attn_tp_size=2, dst_tp_rank=0,
+        dst_state_data_ptrs=[[1 << 20] * 4], dst_state_item_lens=[[240] * 4],
+    )  # fmt: skip
+    fields = {  # what judge_decode_peer hands it: the pair, as the KV's event names it
+        "engine": "sglang-prefill@127.0.0.1:9", "tp_rank": 0, "tp_size": 1,
+        "remote_engine": f"sglang-decode session {SESSION}", "remote_tp_size": 2,
+        "when": "handshake", "fingerprint": mine.fingerprint,
+    }  # fmt: skip
+    with capture_events() as events:
+        verdict = mooncake._judge_decode_state(None, side, state, SESSION, info, fields)
+    assert verdict == (None, None, None)  # no refusal, and no pages: its rows are SGLang's
+    [said] = events
+    assert (said["event"], said["verdict"]) == ("layout_checked", "not_judged")
+    assert "_send_mamba_state_slice" in said["reason"]
+    # at equal attention TP the same pair is judged, and D's slots mapped
+    info.dst_attn_tp_size = 1
+    manager = types.SimpleNamespace(kv_args=types.SimpleNamespace(page_size=PAGE))
+    with capture_events() as events:
+        error, _, pages = mooncake._judge_decode_state(manager, side, state, SESSION, info, fields)
+    assert error is None
+    assert pages is not None
+    assert [view.num_blocks for view in pages.views] == [9] * 4
+    assert [e["verdict"] for e in events] == ["compatible"]

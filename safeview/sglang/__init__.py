@@ -120,17 +120,39 @@ def _named_tensors(pool: Any) -> list[tuple[str, Any]]:
     if hasattr(pool, "kv_buffer"):
         ids = _layer_ids(pool, len(pool.kv_buffer))
         return [(f"layers.{i}", t) for i, t in zip(ids, pool.kv_buffer)]
+    if _is_mamba(pool):
+        return _mamba_tensors(pool)
     raise ArgumentError(
         f"{type(pool).__name__} is not an SGLang MHA or MLA token-to-KV pool "
         "(no k_buffer/v_buffer, no kv_buffer)"
     )
 
 
+def _is_mamba(pool: Any) -> bool:
+    """Whether ``pool`` is an SGLang ``MambaPool`` (its per-request conv and temporal states)."""
+    return hasattr(pool, "mamba_cache") and hasattr(pool, "_iter_transfer_state_entries")
+
+
+def _mamba_tensors(pool: Any) -> list[tuple[str, Any]]:
+    """A ``MambaPool``'s state tensors as SGLang registers them (``get_contiguous_buf_infos``:
+    per field, per state tensor, per Mamba layer, ``[slots, ...]`` each), named
+    ``{field}.layers.{layer id}`` (``conv.layers.0``, ``temporal.layers.0``; a field's second
+    tensor ``conv1.layers.0``), the layer id SGLang's global one."""
+    named: list[tuple[str, Any]] = []
+    seen: dict[str, int] = {}
+    for field, tensor, _axis, layer_id in pool._iter_transfer_state_entries():
+        key = f"{field}.layers.{int(layer_id)}"
+        count = seen[key] = seen.get(key, -1) + 1
+        named.append((f"{field}{count or ''}.layers.{int(layer_id)}", tensor))
+    return named
+
+
 def pool_buffers(pool: Any, *, prefix: str = "") -> list[Buffer]:
     """The buffers an SGLang pool registers for transfer, in the order of its
     ``get_contiguous_buf_infos()`` (every K, then every V; an MLA pool's one per layer), named as
-    ``describe_pool`` names the layers they belong to (``prefix`` first: ``swa.layers.0.k``)."""
-    page_size = _page_size(pool)
+    ``describe_pool`` names the layers they belong to (``prefix`` first: ``swa.layers.0.k``). A
+    ``MambaPool``'s pages are its request slots."""
+    page_size = 1 if _is_mamba(pool) else _page_size(pool)
     found = []
     for name, tensor in _named_tensors(pool):  # a hot loop: once per buffer at registration
         name = prefix + name
@@ -210,6 +232,33 @@ def _fused_layer(
     )
 
 
+def _state_layer(buffer: Buffer) -> Layer:
+    """One ``MambaPool`` state tensor ``[slots, ...]`` as a ``state`` layer: a page per request
+    slot, holding the slot's elements as one run (``ManifestError`` where they are not one
+    dense run: the slot's shape is not read, only its dtype, count and place)."""
+    _, shape, strides, _ = buffer.geometry
+    inner = sorted(zip(strides[1:], shape[1:]))
+    count, expected = 1, 1
+    for stride, size in inner:
+        if size > 1 and stride != expected:
+            from safeview.errors import ManifestError
+
+            raise ManifestError(
+                f"layers[{buffer.name!r}]", list(shape), "holds a slot that is not one dense run"
+            )
+        count *= size
+        expected = count
+    return layer_from_geometry(
+        buffer.name,
+        axes=("block", "state"),
+        shape=(shape[0], count),
+        strides_elements=(strides[0], 1),
+        byte_offset=buffer.geometry.byte_offset,
+        dtype=_torch.dtype_name(buffer.tensor.dtype),
+        kind="state",
+    )
+
+
 def _separate_layer(pool: Any, buffer: Buffer) -> Layer:
     """One buffer as a layer of its own (K or V apart, or an MLA latent vector per token)."""
     page_size = _page_size(pool)
@@ -230,36 +279,24 @@ def _separate_layer(pool: Any, buffer: Buffer) -> Layer:
     )
 
 
-_STATE_NOT_JUDGED = {
-    "HybridLinearKVPool": (
-        "its Mamba conv and temporal states (get_state_buf_infos) move as state slices "
-        "(_send_mamba_state, _send_mamba_state_slice), which safeview does not model"
-    ),
-    "HybridReqToTokenPool": (
-        "its Mamba conv and temporal states (get_state_buf_infos) move as state slices "
-        "(_send_mamba_state, _send_mamba_state_slice), which safeview does not model"
-    ),
-}
-"""SGLang 0.5.23's pools whose state safeview leaves to SGLang: why, by class name."""
-
 WINDOW_PREFIX = "swa."
 """What the layers of an ``SWAKVPool``'s sliding-window pool are named after (``swa.layers.0``),
 in a manifest and in findings: SGLang's ``StateType.SWA`` and the index in that pool."""
+MAMBA_PREFIX = "mamba."
+"""What the layers of a hybrid pool's Mamba states are named after (``mamba.conv.layers.0``):
+SGLang's ``StateType.MAMBA``."""
 
 
-def _state_pool_reason(pool: Any) -> str | None:
-    for cls in type(pool).__mro__:
-        if cls.__name__ in _STATE_NOT_JUDGED:
-            return f"{cls.__name__}: {_STATE_NOT_JUDGED[cls.__name__]}"
-    if hasattr(pool, "mamba_pool"):
-        return f"{type(pool).__name__}: {_STATE_NOT_JUDGED['HybridLinearKVPool']}"
+def _hybrid_pools(pool: Any) -> tuple[Any, Any, str] | None:
+    """An ``SWAKVPool``'s full-attention and sliding-window pools, or a ``HybridLinearKVPool``'s
+    full-attention pool and ``MambaPool``, with the state's prefix; ``None`` for another pool."""
+    full = getattr(pool, "full_kv_pool", None)
+    window, mamba = getattr(pool, "swa_kv_pool", None), getattr(pool, "mamba_pool", None)
+    if full is not None and window is not None:
+        return full, window, WINDOW_PREFIX
+    if full is not None and mamba is not None:
+        return full, mamba, MAMBA_PREFIX
     return None
-
-
-def _window_pools(pool: Any) -> tuple[Any, Any] | None:
-    """An ``SWAKVPool``'s full-attention and sliding-window pools, or ``None`` for another."""
-    full, window = getattr(pool, "full_kv_pool", None), getattr(pool, "swa_kv_pool", None)
-    return (full, window) if full is not None and window is not None else None
 
 
 def describe_pool(
@@ -278,32 +315,41 @@ def describe_pool(
     ``prefix`` goes before every layer's name. A sliding-window pool (``SWAKVPool``) is both of
     its pools: the full-attention KV (``pool.full_kv_pool``, which SGLang registers as the KV
     regions) as ``layers.{i}``, the window KV (``pool.swa_kv_pool``, SGLang's SWA state) as
-    ``swa.layers.{i}``, ``i`` the index in that pool. A Mamba hybrid pool is an
-    ``ArgumentError`` saying why its state is not described. ``buffers``: what
-    ``pool_buffers(pool)`` returned, when the caller has it (each buffer is then read once)."""
-    pair = _window_pools(pool)
-    if pair is not None and buffers is None:
-        full = describe_pool(pair[0], topology=topology, prefix=prefix)
-        window = describe_pool(pair[1], topology=topology, prefix=prefix + WINDOW_PREFIX)
-        return Manifest(topology=full.topology, layers={**full.layers, **window.layers})
-    state = _state_pool_reason(pool)
-    if state is not None:
+    ``swa.layers.{i}``, ``i`` the index in that pool. A Mamba hybrid (``HybridLinearKVPool``)
+    is its full-attention KV and its ``MambaPool``'s states (SGLang's Mamba state), each state
+    tensor a ``state`` layer of one page per request slot, ``mamba.conv.layers.{id}`` and
+    ``mamba.temporal.layers.{id}`` (``id`` SGLang's global layer id); a ``MambaPool`` alone is
+    its states. ``buffers``: what ``pool_buffers(pool)`` returned, when the caller has it (each
+    buffer is then read once)."""
+    hybrid = _hybrid_pools(pool)
+    if hybrid is not None and buffers is None:
+        full = describe_pool(hybrid[0], topology=topology, prefix=prefix)
+        state = describe_pool(hybrid[1], topology=topology, prefix=prefix + hybrid[2])
+        return Manifest(topology=full.topology, layers={**full.layers, **state.layers})
+    if getattr(pool, "mamba_pool", None) is not None:
         raise ArgumentError(
-            f"{state}; describe its full-attention KV, pool.full_kv_pool, which SGLang "
-            "registers as the KV regions (layers named by their index in that pool)"
+            f"{type(pool).__name__} is not a KV pool: describe its MambaPool, pool.mamba_pool, "
+            "or the HybridLinearKVPool that holds it"
         )
-    page_size = _page_size(pool)
+    mamba = _is_mamba(pool)
+    page_size = 1 if mamba else _page_size(pool)  # a Mamba state's page: one request slot
     known = Topology.model_validate(dict(topology)) if isinstance(topology, Mapping) else topology
     known = known or Topology()
     known = known.model_copy(
         update={
-            "kernel_block_tokens": page_size,
-            "logical_block_tokens": page_size,
+            "kernel_block_tokens": known.kernel_block_tokens if mamba else page_size,
+            "logical_block_tokens": known.logical_block_tokens if mamba else page_size,
             "engine_version": known.engine_version or f"sglang {sglang_version()}",
-            "layout": known.layout or "NHD",
+            "layout": known.layout or (None if mamba else "NHD"),
         }
     )
-    layers: dict[str, Layer] = {}
+    if mamba:
+        listed = pool_buffers(pool, prefix=prefix) if buffers is None else list(buffers)
+        if not listed:
+            raise ArgumentError(f"{type(pool).__name__} holds no state tensor")
+        layers = {buffer.name: _state_layer(buffer) for buffer in listed}
+        return Manifest(topology=known, layers=layers)
+    layers = {}
     listed = pool_buffers(pool, prefix=prefix) if buffers is None else list(buffers)
     if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
         head_num = int(getattr(pool, "head_num", 0) or 0)
@@ -423,36 +469,6 @@ def _wrap_pool_class(cls: type) -> None:
     setattr(cls, "get_contiguous_buf_infos", get_contiguous_buf_infos)  # noqa: B010
 
 
-def _wrap_state_class(cls: type, reason: str) -> None:
-    """``cls.get_state_buf_infos`` says first, once a process, that the state is not judged."""
-    original = cls.__dict__.get("get_state_buf_infos")
-    if original is None or getattr(original, _PATCHED, False):
-        return
-
-    @functools.wraps(original)
-    def get_state_buf_infos(self: Any, *args: Any, **kwargs: Any) -> Any:
-        step_aside(f"{cls.__name__} state not judged", reason)
-        return original(self, *args, **kwargs)
-
-    setattr(get_state_buf_infos, _PATCHED, True)
-    setattr(cls, "get_state_buf_infos", get_state_buf_infos)  # noqa: B010
-
-
-def _wrap_state_pools() -> None:
-    """The state pools SGLang 0.5.23 builds (``_STATE_NOT_JUDGED``), where they import."""
-    import importlib
-
-    for module, name in (
-        ("sglang.srt.mem_cache.memory_pool", "HybridLinearKVPool"),
-        ("sglang.srt.mem_cache.memory_pool", "HybridReqToTokenPool"),
-    ):
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue  # an SGLang without it builds none
-        _wrap_state_class(cls, _STATE_NOT_JUDGED[name])
-
-
 def install() -> None:
     """The ``sglang.srt.plugins`` entry point: safeview on SGLang's Mooncake disaggregation in
     this process (``safeview.sglang._mooncake``), once; with ``SAFEVIEW_SGLANG=0`` nothing.
@@ -470,7 +486,14 @@ def install() -> None:
 
         for cls in (MHATokenToKVPool, MLATokenToKVPool):
             _wrap_pool_class(cls)
-        _wrap_state_pools()
+        try:  # a Mamba hybrid's states (SGLang's MambaPool), where this SGLang has them
+            from sglang.srt.mem_cache.memory_pool import (  # type: ignore[import-not-found,unused-ignore]
+                MambaPool,
+            )
+
+            _wrap_pool_class(MambaPool)
+        except ImportError:
+            pass
         _mooncake.install_manager()
         try:  # SAFEVIEW_DIGEST's hooks, on top of the manager's (safeview.sglang._digest)
             from safeview.sglang._digest import install_digest

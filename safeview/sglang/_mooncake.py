@@ -35,12 +35,14 @@ safeview is off or has nothing to say:
   pages at equal attention TP, slices inside one page otherwise). Under strict a batch with a
   finding is not run: SGLang gets the failure code Mooncake would give and fails the request;
   under warn, an ``address_violation`` event and the batch runs. Rows of no pool safeview read
-  (metadata, Mamba state) are left to SGLang.
+  (metadata, DSA and other state) are left to SGLang.
 - A state component that is the buffers of a pool safeview read (an ``SWAKVPool``'s window KV,
-  SGLang's ``swa`` state: ``_State``) is checked at registration, described into a manifest of
-  its own (layers ``swa.layers.N``) that travels beside the KV manifest both ways (frame
-  ``safeview.state:swa:``) and is judged by the KV's rule, and its rows are judged in transfer
-  in the window pages of both sides (D's at the state pointers D registered).
+  SGLang's ``swa`` state; a Mamba hybrid's ``MambaPool``, its ``mamba`` state: ``_State``) is
+  checked at registration, described into a manifest of its own (layers ``swa.layers.N``,
+  ``mamba.conv.layers.N``) that travels beside the KV manifest both ways (frame
+  ``safeview.state:<kind>:``) and is judged by the KV's rule, and its rows are judged in
+  transfer in the state pages of both sides (D's at the state pointers D registered). Mamba
+  state at another attention-TP size (``_send_mamba_state_slice``) is ``not_judged``.
 
 Pairs not judged (an event says why): D sent no manifest (no safeview there), DCP.
 safeview's own failure never stops SGLang: one ``integration_unavailable`` event.
@@ -86,7 +88,8 @@ _SGLANG_FRAMES = 20  # KVArgsRegisterInfo.from_zmq reads msg[0] to msg[19]
 
 class _State:
     """One state component of a manager that is the buffers of a pool safeview read, in order
-    (an ``SWAKVPool``'s window KV, SGLang's ``StateType.SWA``): its place in SGLang's
+    (an ``SWAKVPool``'s window KV, SGLang's ``StateType.SWA``; a ``MambaPool``'s states,
+    ``StateType.MAMBA``): its place in SGLang's
     ``state_types``, its kind (``swa``), its pool, its buffers as read at registration (named
     ``swa.layers.0.k``; forgotten once that registration is checked), its manifest (layers
     ``swa.layers.0``; ``None`` under off) and that manifest's wire form, made once."""
@@ -190,12 +193,13 @@ def _states(manager: Any, kv_pool: Any, policy: Policy) -> dict[str, _State]:
     """The state components SGLang registers (``kv_args.state_data_ptrs`` and
     ``state_data_lens``, one list per ``state_types`` entry) that are the buffers of a pool
     safeview read, all of them in their order, none empty (an ``SWAKVPool``'s sliding-window
-    pool: ``get_state_buf_infos`` hands SGLang that pool's ``get_contiguous_buf_infos``), each
-    read once, its buffers named ``<state type>.<buffer>`` (``swa.layers.0.k``) and, unless
-    policy is off, described (layers ``swa.layers.0``). Any other component (Mamba states, DSA,
-    block scales, a list that is not such a pool's buffers in order, an empty region, which
-    SGLang does not register) is left as SGLang leaves it alone, said once per process and kind
-    with an ``integration_unavailable`` event."""
+    pool, a ``HybridLinearKVPool``'s ``MambaPool``: ``get_state_buf_infos`` hands SGLang that
+    pool's ``get_contiguous_buf_infos``), each read once, its buffers named
+    ``<state type>.<buffer>`` (``swa.layers.0.k``, ``mamba.conv.layers.0``) and, unless policy
+    is off, described (layers ``swa.layers.0``). Any other component (DSA, block scales, a list
+    that is not such a pool's buffers in order, an empty region, which SGLang does not
+    register) is left as SGLang leaves it alone, said once per process and kind with an
+    ``integration_unavailable`` event."""
     kv_args = manager.kv_args
     kinds = list(getattr(kv_args, "state_types", None) or ())
     lengths_of = list(getattr(kv_args, "state_data_lens", None) or ())
@@ -215,8 +219,9 @@ def _states(manager: Any, kv_pool: Any, policy: Policy) -> dict[str, _State]:
         if not rows or pointers_of != [int(r[0]) for r in rows] or min(r[1] for r in rows) <= 0:
             step_aside(
                 f"{kind} state regions left unchecked",
-                "they are not the buffers of a pool safeview read, in order (only an SWA "
-                "pool's window KV is): SGLang registers and moves them as it would alone",
+                "they are not the buffers of a pool safeview read, in order (an SWA pool's "
+                "window KV and a Mamba pool's states are): SGLang registers and moves them as "
+                "it would alone",
             )
             continue
         manifest = None
@@ -561,6 +566,10 @@ def _judge_decode_state(
             reason=f"the decode peer described no {kind} state: its rows are SGLang's",
         )
         return None, None, None  # fmt: skip
+    if _sliced_state(mine, mine.topology.tp_size, int(info.dst_attn_tp_size)):
+        reason = _SLICED_STATE.format(kind=kind)
+        judge_peer(mine, None, against=None, fields=fields, policy=side.policy, reason=reason)
+        return None, None, None
     try:
         theirs = from_wire(raw, peer=f"sglang decode session {session} ({kind} state)")
     except ManifestError as bad:
@@ -592,6 +601,18 @@ def _judge_decode_state(
     )  # fmt: skip
     pages = peer_memory_map(theirs, [int(p) for p in pointers], storage=f"decode.{kind}")
     return error, copy, pages
+
+
+_SLICED_STATE = (
+    "{kind} state at another attention-TP size moves by _send_mamba_state_slice's per-tensor "
+    "slices, which safeview does not model: its rows are SGLang's"
+)
+
+
+def _sliced_state(manifest: Manifest, mine: int, theirs: int) -> bool:
+    """Whether ``manifest`` is of request states (Mamba: ``state`` layers) that SGLang moves in
+    per-tensor slices because the two sides' attention-TP sizes differ."""
+    return mine != theirs and any(layer.kind == "state" for layer in manifest.layers.values())
 
 
 def merged_maps(maps: list[tuple[str, MemoryMap | None]]) -> MemoryMap:
@@ -688,6 +709,10 @@ def _judge_prefill_state(
     if raw is None:
         judge_peer(mine, None, against=None, fields=fields, policy=side.policy,
                    reason=f"the prefill peer described no {state.kind} state")  # fmt: skip
+        return None, None
+    if _sliced_state(mine, mine.topology.tp_size, prefill_tp[1]):
+        reason = _SLICED_STATE.format(kind=state.kind)
+        judge_peer(mine, None, against=None, fields=fields, policy=side.policy, reason=reason)
         return None, None
     try:
         theirs = from_wire(raw, peer=f"sglang prefill {endpoint} ({state.kind} state)")
