@@ -502,3 +502,26 @@ def test_any_pair_of_rank_lists_diffs_or_raises_a_safeview_error(
         report = safeview.diff(built[0], built[1], rule=rule)  # type: ignore[arg-type]
         assert report.compatible == (not report.findings)
         json.dumps(report.to_json())
+
+
+def test_a_layer_at_another_offset_keeps_its_page_and_checks_its_last_byte() -> None:
+    from pydantic import ValidationError
+
+    from safeview.manifest import Layer
+
+    layer = layer_from_geometry(
+        "layers.0", axes=("block", "state"), shape=(9, 120), strides_elements=(120, 1),
+        byte_offset=0, dtype="bfloat16", kind="state",
+    )  # fmt: skip
+    moved = layer.at_offset(9 * 240)
+    assert (moved.byte_offset, moved.fingerprint) == (9 * 240, layer.fingerprint)
+    assert moved == layer.model_copy(update={"byte_offset": 9 * 240})
+    assert Manifest(layers={"a": layer, "b": moved}).layers["b"].byte_offset == 9 * 240
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        layer.at_offset(2**62)
+    with pytest.raises(ValueError, match="byte_offset must be an int >= 0"):
+        layer.at_offset(-1)
+    # a layer made without its checks is checked whole on the way, not vouched for
+    forged = Layer.model_construct(**{**dict(layer), "chunk_bytes": layer.chunk_bytes + 2})
+    with pytest.raises(ValidationError, match="chunk_bytes"):
+        forged.at_offset(240)

@@ -232,6 +232,25 @@ class Layer(BaseModel):
         _VALIDATED[id(self)] = self
         return self
 
+    def at_offset(self, byte_offset: int) -> Layer:
+        """This layer with block 0 at ``byte_offset`` (the same page, the same fingerprint): a
+        layer of an alike tensor elsewhere in its storage, made without the page's checks,
+        which it passed already; the one check the offset enters, the last byte's, is made."""
+        if not isinstance(byte_offset, int) or byte_offset < 0:
+            raise ValueError(f"byte_offset must be an int >= 0; got {byte_offset!r}")
+        if _VALIDATED.get(id(self)) is not self:  # never checked (model_construct): check it
+            return Layer.model_validate({**dict(self), "byte_offset": byte_offset})
+        moved = self.model_copy(update={"byte_offset": byte_offset})
+        last = moved.byte_offset + max(moved.num_blocks - 1, 0) * moved.block_stride_bytes
+        last += sum((axis.size - 1) * axis.stride_bytes for axis in moved.axes) + moved.itemsize
+        if last > MAX_BYTES:
+            raise ValueError(
+                f"its last byte ({last:.3g}) lies past the {MAX_BYTES:,} bytes (2**62) a "
+                "manifest can address"
+            )
+        _VALIDATED[id(moved)] = moved
+        return moved
+
     def _kv_in_parts(self) -> bool:
         return any(axis == "kv" for part in self.parts for axis, _ in part.index or ())
 

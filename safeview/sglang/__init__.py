@@ -232,11 +232,17 @@ def _fused_layer(
     )
 
 
-def _state_layer(buffer: Buffer) -> Layer:
+def _state_layer(buffer: Buffer, memo: dict[tuple[Any, ...], Layer] | None = None) -> Layer:
     """One ``MambaPool`` state tensor ``[slots, ...]`` as a ``state`` layer: a page per request
     slot, holding the slot's elements as one run (``ManifestError`` where they are not one
-    dense run: the slot's shape is not read, only its dtype, count and place)."""
+    dense run: the slot's shape is not read, only its dtype, count and place). ``memo``: the
+    layers already read, by shape, strides and dtype (a model's Mamba layers are alike slices
+    of one tensor: each page read once, each layer that page at its own offset)."""
     _, shape, strides, _ = buffer.geometry
+    key = (tuple(shape), tuple(strides), buffer.tensor.dtype)
+    known = memo.get(key) if memo is not None else None
+    if known is not None:
+        return known.at_offset(buffer.geometry.byte_offset)
     inner = sorted(zip(strides[1:], shape[1:]))
     count, expected = 1, 1
     for stride, size in inner:
@@ -248,7 +254,7 @@ def _state_layer(buffer: Buffer) -> Layer:
             )
         count *= size
         expected = count
-    return layer_from_geometry(
+    layer = layer_from_geometry(
         buffer.name,
         axes=("block", "state"),
         shape=(shape[0], count),
@@ -257,6 +263,9 @@ def _state_layer(buffer: Buffer) -> Layer:
         dtype=_torch.dtype_name(buffer.tensor.dtype),
         kind="state",
     )
+    if memo is not None:
+        memo[key] = layer
+    return layer
 
 
 def _separate_layer(pool: Any, buffer: Buffer) -> Layer:
@@ -347,7 +356,8 @@ def describe_pool(
         listed = pool_buffers(pool, prefix=prefix) if buffers is None else list(buffers)
         if not listed:
             raise ArgumentError(f"{type(pool).__name__} holds no state tensor")
-        layers = {buffer.name: _state_layer(buffer) for buffer in listed}
+        alike: dict[tuple[Any, ...], Layer] = {}
+        layers = {buffer.name: _state_layer(buffer, alike) for buffer in listed}
         return Manifest(topology=known, layers=layers)
     layers = {}
     listed = pool_buffers(pool, prefix=prefix) if buffers is None else list(buffers)
