@@ -357,7 +357,10 @@ def prefill(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
             window = None  # a window's pages, a Mamba slot: SGLang's state, on the last chunk
             if "src_state_pages" in case:
                 window = [list(case["src_state_pages"])]
-                _state_pattern(pool, window[0])
+                if case.get("by_meaning"):  # a window's bytes say their global head too
+                    _meaning_pattern(pool.swa_kv_pool, window[0], _heads_of(layout, rank))
+                else:
+                    _state_pattern(pool, window[0])
                 result["state_sent"] = _state_bytes(pool, window[0])
             if case.get("digest_fault"):
                 _digest_fault(case["digest_fault"], room)
@@ -537,7 +540,11 @@ def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
             setattr(judged, "to_wire", sent)  # noqa: B010
         if case.get("by_meaning"):
             heads = _heads_of(case["decode"], rank)
-            result["wrong_bytes"] = _meaning_mismatches(pool, pages, heads)
+            result["wrong_bytes"] = _meaning_mismatches(_kv_of(pool), pages, heads)
+            if window is not None:
+                result["state_wrong_bytes"] = _meaning_mismatches(
+                    pool.swa_kv_pool, window[0], heads
+                )
         result["events"] = _new_events()
         print(json.dumps(result), flush=True)
     # P may still be moving the last case's pages when D has failed it (a refusal at D under
@@ -597,9 +604,9 @@ def pools(cases: list[dict[str, Any]]) -> None:
 
 def _window_pool(side: dict[str, Any] | None = None) -> Any:
     """SGLang's sliding-window pool (``SWAKVPool``) on CPU: 2 full-attention layers and 2
-    window layers of 4 heads of 16 bf16 values, the window half as many slots (8 pages and
-    SGLang's padded one); ``side``'s ``window_heads`` and ``window_head_dim`` make the window
-    pool's heads another shape (through SGLang's own ``swa_kv_pool_kwargs``)."""
+    window layers of ``heads`` (4) heads of 16 bf16 values, the window half as many slots (8
+    pages and SGLang's padded one); ``side``'s ``window_heads`` and ``window_head_dim`` make the
+    window pool's heads another shape (through SGLang's own ``swa_kv_pool_kwargs``)."""
     import torch
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # type: ignore[import-not-found,unused-ignore]
 
@@ -613,7 +620,7 @@ def _window_pool(side: dict[str, Any] | None = None) -> Any:
         }  # fmt: skip
     return SWAKVPool(
         size=POOL_TOKENS, size_swa=POOL_TOKENS // 2, page_size=PAGE_SIZE, dtype=torch.bfloat16,
-        head_num=4, head_dim=16, swa_attention_layer_ids=[0, 2],
+        head_num=int(side.get("heads", 4)), head_dim=16, swa_attention_layer_ids=[0, 2],
         full_attention_layer_ids=[1, 3], device="cpu", enable_memory_saver=False,
         swa_kv_pool_kwargs=window,
     )  # fmt: skip

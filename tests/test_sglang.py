@@ -525,6 +525,52 @@ def test_a_pools_state_is_judged_as_its_kv_at_both_sides_and_in_transfer(kind: s
     assert alone_prefill["events"] == alone_decode["events"] == []
 
 
+# the window at another attention TP (SGLang's _send_swa_state_slice): P's window pages written
+# by meaning, as the KV's, and D's window pages read by meaning
+_WINDOW_TP: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "2->1": ({"tp_size": 2, "heads": 2, "window": True}, {"heads": 4, "window": True}),
+    "1->2": (
+        {"heads": 4, "window": True},
+        {"tp_size": 2, "heads": 2, "total_heads": 4, "window": True},
+    ),
+}
+
+
+@pytest.mark.slow
+def test_a_window_at_another_attention_tp_splits_heads_right_and_a_page_past_is_refused() -> None:
+    runs = {}
+    with ThreadPoolExecutor(2) as pool:
+        for split, (prefill_side, decode_side) in _WINDOW_TP.items():
+            cases = [
+                {"name": name, "prefill": prefill_side, "decode": decode_side,
+                 "src_pages": [1, 2], "dst_pages": [3, 5], "src_state_pages": [1, 2],
+                 "dst_state_pages": pages, "by_meaning": name == "window_tp"}
+                for name, pages in (("window_tp", [4, 6]), ("window_tp_past", [4, 20]))
+            ]  # fmt: skip
+            runs[split] = pool.submit(_ranks, cases, _installed("strict"), _installed("strict"))
+        found = {split: run.result() for split, run in runs.items()}
+    for split, (prefills, decodes) in found.items():
+        # heads split right in the window too: every byte of D's window pages means what P's
+        # meant, on every D rank
+        for decode in decodes:
+            assert decode["window_tp"]["state"] == "Success", (split, decode["window_tp"])
+            assert decode["window_tp"]["wrong_bytes"] == 0, split
+            assert decode["window_tp"]["state_wrong_bytes"] == 0, split
+            assert decode["window_tp"]["state_nonzero_bytes"] > 0, split
+            # a window page past D's window pool: every P rank's slice batch refused, nothing
+            # of the window lands
+            assert decode["window_tp_past"]["state"] == "Failed", split
+            assert decode["window_tp_past"]["state_nonzero_bytes"] == 0, split
+        for prefill in prefills:
+            assert prefill["window_tp"]["state"] == "Success", split
+            assert prefill["window_tp_past"]["state"] == "Failed", split
+            past = [e for e in prefill["events"] if e["event"] == "address_violation"]
+            assert past, (split, prefill["events"])
+            assert {e["layer"][:4] for e in past} == {"swa."}, (split, past)
+            judged = [e["event"] for e in prefill["events"] if e["event"].startswith("layout_")]
+            assert judged == ["layout_checked"] * 2 * 2 * len(decodes), (split, judged)
+
+
 def test_a_vllm_manifest_diffed_against_sglangs_by_meaning(tmp_path: Path) -> None:
     # the two engines cannot be joined (no connector speaks both bootstraps: docs/sglang.md);
     # their manifests can be compared. SGLang's from its real pool; vLLM's on meta, its
