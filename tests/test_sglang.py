@@ -467,12 +467,15 @@ def _state_cases(kind: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("kind", sorted(STATE_KINDS))
 def test_a_pools_state_is_judged_as_its_kv_at_both_sides_and_in_transfer(kind: str) -> None:
     cases, known = _state_cases(kind), STATE_KINDS[kind]
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         strict = pool.submit(_pair, cases, _installed("strict"), _installed("strict"))
         warned = pool.submit(_pair, cases, _installed("warn"), _installed("warn"))
         alone = pool.submit(_pair, cases, ALONE, ALONE)
+        # D's own verdict on P's state manifest: P under warn lets it go, D under strict
+        decode_only = pool.submit(_pair, cases[:2], _installed("warn"), _installed("strict"))
         (prefill, decode), (warn_prefill, warn_decode) = strict.result(), warned.result()
         alone_prefill, alone_decode = alone.result()
+        _, strict_decode = decode_only.result()
     # equal: SGLang moved the KV pages and the state, byte for byte
     assert prefill["equal"]["state"] == decode["equal"]["state"] == "Success"
     assert decode["equal"]["received"] == prefill["equal"]["sent"]
@@ -523,6 +526,14 @@ def test_a_pools_state_is_judged_as_its_kv_at_both_sides_and_in_transfer(kind: s
     assert "layout_mismatch" in warned_events
     assert "address_violation" in warned_events
     assert alone_prefill["events"] == alone_decode["events"] == []
+    # D judged P's state manifest, sent back on SGLang's channel: it fails the request itself
+    assert strict_decode["equal"]["state"] == "Success"
+    assert strict_decode["other"]["state"] == "Failed"
+    assert known["said"] in strict_decode["other"]["reason"], strict_decode["other"]["reason"]
+    mismatches = [e for e in strict_decode["events"] if e["event"] == "layout_mismatch"]
+    assert [(e["action"], e["layer"][: len(known["layer"])]) for e in mismatches] == [
+        ("refused", known["layer"])
+    ]
 
 
 # the window at another attention TP (SGLang's _send_swa_state_slice): P's window pages written
