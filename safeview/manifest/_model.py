@@ -221,13 +221,7 @@ class Layer(BaseModel):
                 f"fingerprint {self.fingerprint[:12]}... does not match the layer "
                 f"({fingerprint[:12]}...): edited, or written by another version"
             )
-        last = self.byte_offset + max(self.num_blocks - 1, 0) * self.block_stride_bytes
-        last += sum((axis.size - 1) * axis.stride_bytes for axis in self.axes) + self.itemsize
-        if last > MAX_BYTES:
-            raise ValueError(
-                f"its last byte ({last:.3g}) lies past the {MAX_BYTES:,} bytes (2**62) a "
-                "manifest can address"
-            )
+        self._last_byte_checked()
         object.__setattr__(self, "fingerprint", fingerprint)
         _VALIDATED[id(self)] = self
         return self
@@ -241,15 +235,18 @@ class Layer(BaseModel):
         if _VALIDATED.get(id(self)) is not self:  # never checked (model_construct): check it
             return Layer.model_validate({**dict(self), "byte_offset": byte_offset})
         moved = self.model_copy(update={"byte_offset": byte_offset})
-        last = moved.byte_offset + max(moved.num_blocks - 1, 0) * moved.block_stride_bytes
-        last += sum((axis.size - 1) * axis.stride_bytes for axis in moved.axes) + moved.itemsize
+        moved._last_byte_checked()
+        _VALIDATED[id(moved)] = moved
+        return moved
+
+    def _last_byte_checked(self) -> None:
+        last = self.byte_offset + max(self.num_blocks - 1, 0) * self.block_stride_bytes
+        last += sum((axis.size - 1) * axis.stride_bytes for axis in self.axes) + self.itemsize
         if last > MAX_BYTES:
             raise ValueError(
                 f"its last byte ({last:.3g}) lies past the {MAX_BYTES:,} bytes (2**62) a "
                 "manifest can address"
             )
-        _VALIDATED[id(moved)] = moved
-        return moved
 
     def _kv_in_parts(self) -> bool:
         return any(axis == "kv" for part in self.parts for axis, _ in part.index or ())

@@ -556,32 +556,11 @@ def _judge_decode_state(
     kind, index = state.kind, state.index
     fields = {**fields, "fingerprint": mine.fingerprint}
     raw = (getattr(info, "_safeview_states", None) or {}).get(kind)
-    if raw is None:
-        judge_peer(
-            mine,
-            None,
-            against=None,
-            fields=fields,
-            policy=side.policy,
-            reason=f"the decode peer described no {kind} state: its rows are SGLang's",
-        )
-        return None, None, None  # fmt: skip
-    if _sliced_state(mine, mine.topology.tp_size, int(info.dst_attn_tp_size)):
-        reason = _SLICED_STATE.format(kind=kind)
-        judge_peer(mine, None, against=None, fields=fields, policy=side.policy, reason=reason)
-        return None, None, None
-    try:
-        theirs = from_wire(raw, peer=f"sglang decode session {session} ({kind} state)")
-    except ManifestError as bad:
-        judge_peer(
-            mine,
-            None,
-            against="handshake",
-            fields=fields,
-            policy=side.policy,
-            reason=f"the decode peer's {kind} state manifest cannot be judged: {bad}",
-        )
-        return (bad if side.policy is Policy.STRICT else None), None, None  # fmt: skip
+    sizes = (mine.topology.tp_size, int(info.dst_attn_tp_size))
+    peer = f"sglang decode session {session}"
+    theirs, error = _read_peer_state(side, mine, raw, kind, peer, "decode", sizes, fields)
+    if theirs is None:
+        return error, None, None
     registered, lengths = info.dst_state_data_ptrs, info.dst_state_item_lens
     pointers = list(registered[index]) if index < len(registered) else []
     items = list(lengths[index]) if index < len(lengths) else []
@@ -601,6 +580,37 @@ def _judge_decode_state(
     )  # fmt: skip
     pages = peer_memory_map(theirs, [int(p) for p in pointers], storage=f"decode.{kind}")
     return error, copy, pages
+
+
+def _read_peer_state(
+    side: _Side,
+    mine: Manifest,
+    raw: bytes | None,
+    kind: str,
+    peer: str,
+    role: str,
+    sizes: tuple[int, int],
+    fields: dict[str, Any],
+) -> tuple[Manifest | None, SafeViewError | None]:
+    """The ``role`` peer's manifest of state ``kind`` off the wire (``raw``), or ``None`` and
+    one ``not_judged`` event saying why: it sent none; the state moves in slices at these
+    attention-TP sizes (``sizes``, ours and theirs); it cannot be read (then the error too,
+    under strict)."""
+    reason = None
+    if raw is None:
+        reason = f"the {role} peer described no {kind} state"
+    elif _sliced_state(mine, *sizes):
+        reason = _SLICED_STATE.format(kind=kind)
+    if reason is not None or raw is None:
+        judge_peer(mine, None, against=None, fields=fields, policy=side.policy, reason=reason)
+        return None, None
+    try:
+        return from_wire(raw, peer=f"{peer} ({kind} state)"), None
+    except ManifestError as bad:
+        reason = f"the {role} peer's {kind} state manifest cannot be judged: {bad}"
+        judge_peer(mine, None, against="handshake", fields=fields, policy=side.policy,
+                   reason=reason)  # fmt: skip
+        return None, (bad if side.policy is Policy.STRICT else None)
 
 
 _SLICED_STATE = (
@@ -704,28 +714,14 @@ def _judge_prefill_state(
     """D's verdict on the prefill rank's manifest of one state component (``raw``, ``None``
     when P described none: ``not_judged``) against D's own, as P judges it."""
     mine = state.manifest
-    assert mine is not None
+    if mine is None:  # described nothing (policy off): nothing to judge
+        return None, None
     fields = {**fields, "fingerprint": mine.fingerprint}
-    if raw is None:
-        judge_peer(mine, None, against=None, fields=fields, policy=side.policy,
-                   reason=f"the prefill peer described no {state.kind} state")  # fmt: skip
-        return None, None
-    if _sliced_state(mine, mine.topology.tp_size, prefill_tp[1]):
-        reason = _SLICED_STATE.format(kind=state.kind)
-        judge_peer(mine, None, against=None, fields=fields, policy=side.policy, reason=reason)
-        return None, None
-    try:
-        theirs = from_wire(raw, peer=f"sglang prefill {endpoint} ({state.kind} state)")
-    except ManifestError as bad:
-        judge_peer(
-            mine,
-            None,
-            against="handshake",
-            fields=fields,
-            policy=side.policy,
-            reason=f"the prefill peer's {state.kind} state manifest cannot be judged: {bad}",
-        )
-        return (bad if side.policy is Policy.STRICT else None), None  # fmt: skip
+    sizes = (mine.topology.tp_size, prefill_tp[1])
+    peer = f"sglang prefill {endpoint}"
+    theirs, error = _read_peer_state(side, mine, raw, state.kind, peer, "prefill", sizes, fields)
+    if theirs is None:
+        return error, None
     items = manager.kv_args.state_item_lens[state.index]
     return judge_pair(
         theirs,
