@@ -512,19 +512,7 @@ def judge_decode_peer(
                    reason=f"the decode peer's manifest cannot be judged: {bad}")  # fmt: skip
         return (bad if side.policy is Policy.STRICT else None), None
     same_tp = int(info.dst_attn_tp_size) == mine.topology.tp_size
-    verdict = judge_pair(
-        mine,
-        theirs,
-        sender_tp=(mine.topology.tp_rank, mine.topology.tp_size),
-        receiver_tp=(int(info.dst_tp_rank), int(info.dst_attn_tp_size)),
-        total_heads=mine.topology.total_kv_heads,
-        page_size=int(manager.kv_args.page_size),
-        receiver_item_bytes=int(info.dst_kv_item_len),
-        fields={**fields, "engine": theirs.topology.engine, "fingerprint": theirs.fingerprint,
-                "remote_engine": mine.topology.engine, "remote_tp_size": mine.topology.tp_size,
-                "tp_rank": theirs.topology.tp_rank, "tp_size": theirs.topology.tp_size},
-        policy=side.policy,
-    )  # fmt: skip
+    verdict = _decode_verdict(manager, side, mine, theirs, info, fields, int(info.dst_kv_item_len))
     peer = peer_memory_map(theirs, [int(p) for p in info.dst_kv_ptrs])
     maps, kinds = [peer], []
     for state in side.states.values():
@@ -538,6 +526,33 @@ def judge_decode_peer(
         side.peers[session] = (merged_maps([("", m) for m in maps]) if kinds else peer, same_tp)
         side.kinds[session] = frozenset(kinds)
     return verdict
+
+
+def _decode_verdict(
+    manager: Any,
+    side: _Side,
+    mine: Manifest,
+    theirs: Manifest,
+    info: Any,
+    fields: dict[str, Any],
+    item: int,
+) -> tuple[SafeViewError | None, SliceCopy | None]:
+    """``judge_pair`` of P's manifest (``mine``) into the decode peer's (``theirs``, whose
+    registration is ``info``; ``item``: D's item length of what they describe), its event
+    said from D's side as D's own verdict would say it."""
+    return judge_pair(
+        mine,
+        theirs,
+        sender_tp=(mine.topology.tp_rank, mine.topology.tp_size),
+        receiver_tp=(int(info.dst_tp_rank), int(info.dst_attn_tp_size)),
+        total_heads=mine.topology.total_kv_heads,
+        page_size=int(manager.kv_args.page_size),
+        receiver_item_bytes=item,
+        fields={**fields, "engine": theirs.topology.engine, "fingerprint": theirs.fingerprint,
+                "remote_engine": mine.topology.engine, "remote_tp_size": mine.topology.tp_size,
+                "tp_rank": theirs.topology.tp_rank, "tp_size": theirs.topology.tp_size},
+        policy=side.policy,
+    )  # fmt: skip
 
 
 def _judge_decode_state(
@@ -565,19 +580,7 @@ def _judge_decode_state(
     pointers = list(registered[index]) if index < len(registered) else []
     items = list(lengths[index]) if index < len(lengths) else []
     item = int(items[0]) if items else int(manager.kv_args.state_item_lens[index][0])
-    error, copy = judge_pair(
-        mine,
-        theirs,
-        sender_tp=(mine.topology.tp_rank, mine.topology.tp_size),
-        receiver_tp=(int(info.dst_tp_rank), int(info.dst_attn_tp_size)),
-        total_heads=mine.topology.total_kv_heads,
-        page_size=int(manager.kv_args.page_size),
-        receiver_item_bytes=item,
-        fields={**fields, "engine": theirs.topology.engine, "fingerprint": theirs.fingerprint,
-                "remote_engine": mine.topology.engine, "remote_tp_size": mine.topology.tp_size,
-                "tp_rank": theirs.topology.tp_rank, "tp_size": theirs.topology.tp_size},
-        policy=side.policy,
-    )  # fmt: skip
+    error, copy = _decode_verdict(manager, side, mine, theirs, info, fields, item)
     pages = peer_memory_map(theirs, [int(p) for p in pointers], storage=f"decode.{kind}")
     return error, copy, pages
 
@@ -671,17 +674,8 @@ def judge_prefill_peer(manager: Any, msg: list[bytes]) -> None:
                    reason=f"the prefill peer's manifest cannot be judged: {bad}")  # fmt: skip
         error = bad if side.policy is Policy.STRICT else None
     else:
-        error, copy = judge_pair(
-            theirs,
-            mine,
-            sender_tp=prefill_tp,
-            receiver_tp=(mine.topology.tp_rank, mine.topology.tp_size),
-            total_heads=theirs.topology.total_kv_heads,
-            page_size=int(manager.kv_args.page_size),
-            receiver_item_bytes=int(manager.kv_args.kv_item_lens[0]),
-            fields=fields,
-            policy=side.policy,
-        )
+        item = int(manager.kv_args.kv_item_lens[0])
+        error, copy = _prefill_verdict(manager, side, theirs, mine, prefill_tp, fields, item)
     carried = _carried_states(msg[5:])
     for state in side.states.values():
         if state.manifest is None:
@@ -722,7 +716,21 @@ def _judge_prefill_state(
     theirs, error = _read_peer_state(side, mine, raw, state.kind, peer, "prefill", sizes, fields)
     if theirs is None:
         return error, None
-    items = manager.kv_args.state_item_lens[state.index]
+    item = int(manager.kv_args.state_item_lens[state.index][0])
+    return _prefill_verdict(manager, side, theirs, mine, prefill_tp, fields, item)
+
+
+def _prefill_verdict(
+    manager: Any,
+    side: _Side,
+    theirs: Manifest,
+    mine: Manifest,
+    prefill_tp: tuple[int, int],
+    fields: dict[str, Any],
+    item: int,
+) -> tuple[SafeViewError | None, SliceCopy | None]:
+    """``judge_pair`` of the prefill rank's manifest (``theirs``, of attention-TP rank and size
+    ``prefill_tp``) into D's (``mine``; ``item``: D's item length of what they describe)."""
     return judge_pair(
         theirs,
         mine,
@@ -730,7 +738,7 @@ def _judge_prefill_state(
         receiver_tp=(mine.topology.tp_rank, mine.topology.tp_size),
         total_heads=theirs.topology.total_kv_heads,
         page_size=int(manager.kv_args.page_size),
-        receiver_item_bytes=int(items[0]),
+        receiver_item_bytes=item,
         fields=fields,
         policy=side.policy,
     )
