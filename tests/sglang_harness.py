@@ -534,6 +534,10 @@ def decode(port: int, cases: list[dict[str, Any]], rank: int = 0) -> None:
         if window is not None:  # the window pool: its pages D asked for, and any byte at all
             result["state_received"] = _state_bytes(pool, window[0])
             result["state_nonzero_bytes"] = _state_nonzero(pool)
+            inside = sum(bytes.fromhex(part).count(0) for part in result["state_received"])
+            asked = sum(len(part) // 2 for part in result["state_received"])
+            # bytes written in the state pool outside the pages D asked for
+            result["state_outside_bytes"] = result["state_nonzero_bytes"] - (asked - inside)
         if _FRAMES:
             result["frames"] = sorted(set(_FRAMES))
         if forged:
@@ -633,8 +637,9 @@ def _mamba_pool(side: dict[str, Any] | None = None) -> Any:
     """SGLang's Mamba hybrid pool (``HybridLinearKVPool`` over a ``MambaPool``) on CPU: 2
     full-attention layers (ids 1 and 3) of 4 heads of 16 bf16 values and 2 Mamba2 layers (ids
     0 and 2: a conv state of 40 channels by 3 and a temporal state of 4 heads of 8 by 4, bf16
-    and float32, SGLang's own shapes for that model); ``side``'s ``conv_dtype`` another conv
-    dtype."""
+    and float32, SGLang's own shapes for that model, split over ``tp_size`` ranks as SGLang
+    splits them: with ``groups`` (1) that TP does not divide, SGLang widens each rank's conv
+    state); ``side``'s ``conv_dtype`` another conv dtype."""
     import torch
     from sglang.srt.configs.mamba_utils import (  # type: ignore[import-not-found,unused-ignore]
         Mamba2CacheParams,
@@ -648,7 +653,8 @@ def _mamba_pool(side: dict[str, Any] | None = None) -> Any:
 
     side = side or {}
     shape = Mamba2StateShape.create(
-        tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=4, head_dim=8,
+        tp_world_size=_tp(side), intermediate_size=32, n_groups=int(side.get("groups", 1)),
+        num_heads=4, head_dim=8,
         state_size=4, conv_kernel=4,
     )  # fmt: skip
     dtype = Mamba2StateDType(
@@ -660,7 +666,8 @@ def _mamba_pool(side: dict[str, Any] | None = None) -> Any:
         device="cpu",
     )  # fmt: skip
     return HybridLinearKVPool(
-        size=POOL_TOKENS, dtype=torch.bfloat16, page_size=PAGE_SIZE, head_num=4, head_dim=16,
+        size=POOL_TOKENS, dtype=torch.bfloat16, page_size=PAGE_SIZE,
+        head_num=int(side.get("heads", 4)), head_dim=16,
         full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=mamba,
     )  # fmt: skip
 

@@ -582,6 +582,57 @@ def test_a_window_at_another_attention_tp_splits_heads_right_and_a_page_past_is_
             assert judged == ["layout_checked"] * 2 * 2 * len(decodes), (split, judged)
 
 
+# Mamba state at attention TP 2 into 1 (SGLang's _send_mamba_state_slice): its meaning is not
+# judged, each row is checked inside one of D's slots. Mamba2 states of 2 groups (TP divides
+# them: both sides agree on each rank's conv width), and of 1 group, which SGLang widens to 2
+# on each of P's 2 ranks (24 conv channels a rank) but not on D's one (40): P's second rank
+# writes its conv slice past the end of D's slot
+_MAMBA_P = {"tp_size": 2, "heads": 2, "mamba": True, "groups": 2}
+_MAMBA_D = {"heads": 4, "mamba": True, "groups": 2}
+MAMBA_TP_CASES: list[dict[str, Any]] = [
+    {"name": "mamba_tp", "decode": _MAMBA_D, "dst_state_pages": [5]},
+    {"name": "mamba_tp_past", "decode": _MAMBA_D, "dst_state_pages": [12]},
+    {"name": "mamba_tp_groups", "decode": {**_MAMBA_D, "groups": 1}, "dst_state_pages": [5]},
+]
+for _case in MAMBA_TP_CASES:
+    _case.update(prefill=_MAMBA_P, src_pages=[1, 2], dst_pages=[3, 5], src_state_pages=[2])
+
+
+@pytest.mark.slow
+def test_mamba_state_at_another_attention_tp_is_checked_inside_d_slots() -> None:
+    with ThreadPoolExecutor(2) as pool:
+        strict = pool.submit(_ranks, MAMBA_TP_CASES, _installed("strict"), _installed("strict"))
+        alone = pool.submit(_ranks, MAMBA_TP_CASES, ALONE, ALONE)
+        (prefills, [decode]), (_, [plain]) = strict.result(), alone.result()
+    # two groups: SGLang's slices fit D's slots; safeview lets them go, the same bytes land
+    assert decode["mamba_tp"]["state"] == plain["mamba_tp"]["state"] == "Success"
+    assert decode["mamba_tp"]["state_received"] == plain["mamba_tp"]["state_received"]
+    assert decode["mamba_tp"]["state_nonzero_bytes"] > 0
+    assert decode["mamba_tp"]["state_outside_bytes"] == 0
+    # one group: SGLang alone reports success with P's second rank's conv slice run into the
+    # next slot (another request's state); safeview refuses that rank's batch
+    assert plain["mamba_tp_groups"]["state"] == "Success"
+    assert plain["mamba_tp_groups"]["state_outside_bytes"] > 0
+    assert decode["mamba_tp_groups"]["state"] == "Failed"
+    assert decode["mamba_tp_groups"]["state_outside_bytes"] == 0
+    # a slot past D's pool: every rank's batch refused, nothing of the state lands
+    assert decode["mamba_tp_past"]["state"] == "Failed"
+    assert decode["mamba_tp_past"]["state_nonzero_bytes"] == 0
+    messages = [
+        e["message"] for p in prefills for e in p["events"] if e["event"] == "address_violation"
+    ]
+    assert any("spans pages 5 and 6 of view 'mamba.conv.layers.0'" in m for m in messages)
+    for prefill in prefills:
+        assert prefill["mamba_tp"]["state"] == "Success"
+        assert prefill["mamba_tp_past"]["state"] == "Failed"
+        not_judged = [
+            e["reason"] for e in prefill["events"]
+            if e["event"] == "layout_checked" and e["verdict"] == "not_judged"
+        ]  # fmt: skip
+        assert len(not_judged) == 3, not_judged  # the state's meaning, once a case
+        assert all("_send_mamba_state_slice" in reason for reason in not_judged)
+
+
 def test_a_vllm_manifest_diffed_against_sglangs_by_meaning(tmp_path: Path) -> None:
     # the two engines cannot be joined (no connector speaks both bootstraps: docs/sglang.md);
     # their manifests can be compared. SGLang's from its real pool; vLLM's on meta, its

@@ -395,7 +395,7 @@ def test_a_mamba_pools_states_are_read_a_slot_a_page_and_a_slot_with_gaps_is_ref
         describe_pool(_MambaStates(gaps, temporal), prefix="mamba.")
 
 
-def test_mamba_state_at_another_attention_tp_is_not_judged_and_its_rows_left() -> None:
+def test_mamba_state_at_another_attention_tp_is_not_judged_but_its_slots_mapped() -> None:
     conv = torch.zeros(2, 9, 40, 3, dtype=torch.bfloat16)
     temporal = torch.zeros(2, 9, 4, 8, 4, dtype=torch.float32)
     mine = describe_pool(_MambaStates(conv, temporal), prefix="mamba.", topology={"tp_size": 1})
@@ -412,11 +412,14 @@ def test_mamba_state_at_another_attention_tp_is_not_judged_and_its_rows_left() -
         "when": "handshake", "fingerprint": mine.fingerprint,
     }  # fmt: skip
     with capture_events() as events:
-        verdict = mooncake._judge_decode_state(None, side, state, SESSION, info, fields)
-    assert verdict == (None, None, None)  # no refusal, and no pages: its rows are SGLang's
+        error, copy, pages = mooncake._judge_decode_state(None, side, state, SESSION, info, fields)
+    assert (error, copy) == (None, None)  # its meaning is not judged: no refusal
     [said] = events
     assert (said["event"], said["verdict"]) == ("layout_checked", "not_judged")
     assert "_send_mamba_state_slice" in said["reason"]
+    # D's slots still mapped: each of its sliced rows is checked inside one slot
+    assert pages is not None
+    assert [(view.num_blocks, view.page_bytes) for view in pages.views][:2] == [(9, 240)] * 2
     # at equal attention TP the same pair is judged, and D's slots mapped
     info.dst_attn_tp_size = 1
     manager = types.SimpleNamespace(kv_args=types.SimpleNamespace(page_size=PAGE))

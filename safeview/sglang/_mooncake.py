@@ -564,24 +564,30 @@ def _judge_decode_state(
     hit them: at the pointers D registered for the component SGLang pairs with P's (the same
     place in ``state_types``), with the lengths of D's manifest. A D that described no such
     state is ``not_judged`` (its rows then go as SGLang sends them); so is one whose pointers
-    do not pair with its manifest."""
+    do not pair with its manifest. Mamba state at another attention-TP size is ``not_judged``
+    for its meaning (``_send_mamba_state_slice``'s per-tensor slices are not modelled), and its
+    D slots are still mapped: each of its rows must lie inside one slot of the D buffer named
+    as the P buffer it comes from."""
     mine = state.manifest
     if mine is None:
         return None, None, None
     kind, index = state.kind, state.index
     fields = {**fields, "fingerprint": mine.fingerprint}
     raw = (getattr(info, "_safeview_states", None) or {}).get(kind)
-    sizes = (mine.topology.tp_size, int(info.dst_attn_tp_size))
     peer = f"sglang decode session {session}"
-    theirs, error = _read_peer_state(side, mine, raw, kind, peer, "decode", sizes, fields)
+    theirs, error = _read_peer_state(side, mine, raw, kind, peer, "decode", fields)
     if theirs is None:
         return error, None, None
     registered, lengths = info.dst_state_data_ptrs, info.dst_state_item_lens
     pointers = list(registered[index]) if index < len(registered) else []
+    pages = peer_memory_map(theirs, [int(p) for p in pointers], storage=f"decode.{kind}")
+    if _sliced_state(mine, mine.topology.tp_size, int(info.dst_attn_tp_size)):
+        reason = _SLICED_STATE.format(kind=kind)
+        judge_peer(mine, None, against=None, fields=fields, policy=side.policy, reason=reason)
+        return None, None, pages
     items = list(lengths[index]) if index < len(lengths) else []
     item = int(items[0]) if items else int(manager.kv_args.state_item_lens[index][0])
     error, copy = _decode_verdict(manager, side, mine, theirs, info, fields, item)
-    pages = peer_memory_map(theirs, [int(p) for p in pointers], storage=f"decode.{kind}")
     return error, copy, pages
 
 
@@ -592,19 +598,13 @@ def _read_peer_state(
     kind: str,
     peer: str,
     role: str,
-    sizes: tuple[int, int],
     fields: dict[str, Any],
 ) -> tuple[Manifest | None, SafeViewError | None]:
     """The ``role`` peer's manifest of state ``kind`` off the wire (``raw``), or ``None`` and
-    one ``not_judged`` event saying why: it sent none; the state moves in slices at these
-    attention-TP sizes (``sizes``, ours and theirs); it cannot be read (then the error too,
+    one ``not_judged`` event saying why: it sent none; it cannot be read (then the error too,
     under strict)."""
-    reason = None
     if raw is None:
         reason = f"the {role} peer described no {kind} state"
-    elif _sliced_state(mine, *sizes):
-        reason = _SLICED_STATE.format(kind=kind)
-    if reason is not None or raw is None:
         judge_peer(mine, None, against=None, fields=fields, policy=side.policy, reason=reason)
         return None, None
     try:
@@ -618,7 +618,8 @@ def _read_peer_state(
 
 _SLICED_STATE = (
     "{kind} state at another attention-TP size moves by _send_mamba_state_slice's per-tensor "
-    "slices, which safeview does not model: its rows are SGLang's"
+    "slices, whose meaning safeview does not model (each row is still checked inside one slot "
+    "of the decode's buffer it is meant for)"
 )
 
 
@@ -711,11 +712,14 @@ def _judge_prefill_state(
     if mine is None:  # described nothing (policy off): nothing to judge
         return None, None
     fields = {**fields, "fingerprint": mine.fingerprint}
-    sizes = (mine.topology.tp_size, prefill_tp[1])
     peer = f"sglang prefill {endpoint}"
-    theirs, error = _read_peer_state(side, mine, raw, state.kind, peer, "prefill", sizes, fields)
+    theirs, error = _read_peer_state(side, mine, raw, state.kind, peer, "prefill", fields)
     if theirs is None:
         return error, None
+    if _sliced_state(mine, mine.topology.tp_size, prefill_tp[1]):
+        reason = _SLICED_STATE.format(kind=state.kind)
+        judge_peer(mine, None, against=None, fields=fields, policy=side.policy, reason=reason)
+        return None, None
     item = int(manager.kv_args.state_item_lens[state.index][0])
     return _prefill_verdict(manager, side, theirs, mine, prefill_tp, fields, item)
 
