@@ -818,9 +818,10 @@ def check_transfer(manager: Any, side: _Side, session: str, blocks: Any) -> bool
     """The KV rows of one Mooncake batch SGLang's sender built (``(src, dst, length)``) judged
     before Mooncake moves a byte: each source row in P's pool pages, each destination row in
     D's (its pointers, its manifest's lengths): whole pages at equal attention TP, inside one
-    page otherwise (``send_kvcache_slice``'s token-slot runs). Rows whose source is not in P's
-    pool (metadata, state) are left to SGLang. Returns whether the batch may go (under warn,
-    always); logs an ``address_violation`` per finding."""
+    page otherwise (``send_kvcache_slice``'s token-slot runs); the state pages the session's
+    map holds count as the pool's. Rows whose source is in neither (metadata, state safeview
+    did not map) are left to SGLang. Returns whether the batch may go (under warn, always);
+    logs an ``address_violation`` per finding."""
     known = side.peers.get(session)
     if known is None or side.pool is None:
         return True
