@@ -429,3 +429,27 @@ def test_mamba_state_at_another_attention_tp_is_not_judged_but_its_slots_mapped(
     assert pages is not None
     assert [view.num_blocks for view in pages.views] == [9] * 4
     assert [e["verdict"] for e in events] == ["compatible"]
+
+
+def test_a_state_pool_that_cannot_be_read_is_left_and_the_kv_still_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(safeview.sglang, "_stepped_aside", set())  # said once per process
+    kv = _Remembered(**vars(_pool()))
+    flat = [torch.zeros(64, dtype=torch.bfloat16) for _ in range(2)]  # not [slots, ...]
+    odd = _Remembered(k_buffer=flat[:1], v_buffer=flat[1:], page_size=PAGE, keep=flat)
+    for pool in (kv, odd):
+        safeview.sglang.remember_pool(pool)
+    regions = [(int(t.data_ptr()), int(t.nbytes)) for t in flat]
+    manager = _registering(kv, [("swa", regions)])
+    past = [*manager.kv_args.kv_data_lens]
+    past[0] += 1
+    manager.kv_args.kv_data_lens = past
+    with capture_events() as events:
+        side = mooncake._side(manager)
+        assert side.states == {}
+        with pytest.raises(AddressError, match=r"layers\.0\.k"):
+            mooncake.check_registration(manager, side)
+    said = [e["reason"] for e in events if e["event"] == "integration_unavailable"]
+    assert [r.split(":")[0] for r in said] == ["swa state not read"]
+    assert "ArgumentError" in said[0]

@@ -229,13 +229,20 @@ class Layer(BaseModel):
     def at_offset(self, byte_offset: int) -> Layer:
         """This layer with block 0 at ``byte_offset`` (the same page, the same fingerprint): a
         layer of an alike tensor elsewhere in its storage, made without the page's checks,
-        which it passed already; the one check the offset enters, the last byte's, is made."""
-        if not isinstance(byte_offset, int) or byte_offset < 0:
-            raise ValueError(f"byte_offset must be an int >= 0; got {byte_offset!r}")
+        which it passed already; the one check the offset enters, the last byte's, is made.
+        ``ManifestError`` naming ``byte_offset`` for an offset it cannot take."""
+        if type(byte_offset) is not int or byte_offset < 0:
+            raise ManifestError("byte_offset", byte_offset, "must be an int >= 0")
         if _VALIDATED.get(id(self)) is not self:  # never checked (model_construct): check it
-            return Layer.model_validate({**dict(self), "byte_offset": byte_offset})
+            try:
+                return Layer.model_validate({**dict(self), "byte_offset": byte_offset})
+            except ValidationError as error:
+                raise _refused(error, "layer") from None
         moved = self.model_copy(update={"byte_offset": byte_offset})
-        moved._last_byte_checked()
+        try:
+            moved._last_byte_checked()
+        except ValueError as error:
+            raise ManifestError("byte_offset", byte_offset, str(error)) from None
         _VALIDATED[id(moved)] = moved
         return moved
 

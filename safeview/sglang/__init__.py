@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from safeview import _torch, log
-from safeview.errors import ArgumentError
+from safeview.errors import ArgumentError, ManifestError
 from safeview.manifest import Layer, Manifest, Topology, layer_from_geometry
 from safeview.transfer import MemoryMap, StorageSpan, ViewSpan
 
@@ -247,8 +247,6 @@ def _state_layer(buffer: Buffer, memo: dict[tuple[Any, ...], Layer] | None = Non
     count, expected = 1, 1
     for stride, size in inner:
         if size > 1 and stride != expected:
-            from safeview.errors import ManifestError
-
             raise ManifestError(
                 f"layers[{buffer.name!r}]", list(shape), "holds a slot that is not one dense run"
             )

@@ -42,7 +42,8 @@ safeview is off or has nothing to say:
   ``mamba.conv.layers.N``) that travels beside the KV manifest both ways (frame
   ``safeview.state:<kind>:``) and is judged by the KV's rule, and its rows are judged in
   transfer in the state pages of both sides (D's at the state pointers D registered). Mamba
-  state at another attention-TP size (``_send_mamba_state_slice``) is ``not_judged``.
+  state at another attention-TP size (``_send_mamba_state_slice``) is ``not_judged`` for its
+  meaning; its rows are still checked inside one of D's slots.
 
 Pairs not judged (an event says why): D sent no manifest (no safeview there), DCP.
 safeview's own failure never stops SGLang: one ``integration_unavailable`` event.
@@ -79,7 +80,8 @@ MANIFEST_FRAME = b"safeview.manifest:"
 in the message P sends back to a D that sent one."""
 STATE_FRAME = b"safeview.state:"
 """The prefix of a frame beside the manifest's that carries a state component's manifest (an
-``SWAKVPool``'s window KV): ``safeview.state:<state type>:`` and the manifest's wire form."""
+``SWAKVPool``'s window KV, a ``MambaPool``'s states): ``safeview.state:<state type>:`` and the
+manifest's wire form."""
 
 _PATCHED = "__safeview_guarded__"
 _STATE = "_safeview_state"
@@ -135,8 +137,8 @@ class _Side:
         self.states: dict[str, _State] = {}
         # D: a prefill rank's "ip:port" -> why its transfers are refused (strict only)
         self.refusals: dict[str, str] = {}
-        # P: the pool's pages (key None) and each session's, as sorted columns (_Pages), with
-        # the map each was made from
+        # P: its own pages (key ``(None, kinds)``) and each session's, as sorted columns
+        # (_Pages), with the map each was made from
         self.tables: dict[Any, tuple[MemoryMap, _Pages]] = {}
         self.wire: bytes | None = None  # the manifest's wire form, made once
         # the pool's buffers as read when the side was made (at registration), for that
@@ -210,11 +212,13 @@ def _states(manager: Any, kv_pool: Any, policy: Policy) -> dict[str, _State]:
         lengths = list(lengths_of[index]) if index < len(lengths_of) else []
         rows = list(zip(pointers or (), lengths))
         pool = pool_of([int(rows[0][0])]) if rows else None
-        listed = (
-            pool_buffers(pool, prefix=f"{kind}.")
-            if pool is not None and pool is not kv_pool and kind not in found
-            else []
-        )
+        listed: list[Buffer] = []
+        if pool is not None and pool is not kv_pool and kind not in found:
+            try:  # a state pool safeview cannot list: its regions are SGLang's, the KV's are not
+                listed = pool_buffers(pool, prefix=f"{kind}.")
+            except Exception as error:
+                step_aside(f"{kind} state not read", f"{type(error).__name__}: {error}")
+                continue
         pointers_of = [int(b.tensor.data_ptr()) for b in listed]
         if not rows or pointers_of != [int(r[0]) for r in rows] or min(r[1] for r in rows) <= 0:
             step_aside(
